@@ -1,0 +1,81 @@
+"""The Typer root: wiring only, and the one place errors become exit codes and messages.
+
+Each command lives in ``skyrl_cli/commands/<name>.py`` and exposes ``register(app)``. Command modules
+import nothing heavy at module level, so ``skyrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import typer
+
+from skyrl_cli import __version__
+from skyrl_cli.errors import SkyrlError
+
+COMMAND_MODULES = ("recipes",)
+
+app = typer.Typer(
+    name="skyrl",
+    help="Post-train LLMs from one TOML recipe: SFT, fully-async RL on vLLM + vllm-router, DeepSpeed.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"skyrl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """skyrl: declarative post-training from one TOML recipe."""
+
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"skyrl_cli.commands.{_name}").register(app)
+
+
+def _debug() -> bool:
+    return os.environ.get("SKYRL_DEBUG", "") not in ("", "0", "false")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app and map failures to messages and exit codes."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except SkyrlError as err:
+        if _debug():
+            raise
+        for line in str(err).splitlines() or [type(err).__name__]:
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as err:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(err, click.exceptions.ClickException):
+            err.show()
+            sys.exit(err.exit_code)
+        if _debug():
+            raise
+        print(f"error: internal error: {type(err).__name__}: {err} (set SKYRL_DEBUG=1 for a traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Errors the CLI turns into one-line messages and exit codes (in ``skyrl_cli.app`` only)."""
+
+from __future__ import annotations
+
+
+class SkyrlError(Exception):
+    """An expected failure: printed as one line, exit code ``exit_code``, no traceback."""
+
+    exit_code = 1
+
+
+class UsageError(SkyrlError):
+    """Bad input from the user (a flag, a file, a key)."""
+
+    exit_code = 2
+
+
+class RecipeError(UsageError):
+    """A recipe with one or more problems, each already formatted as ``file:line: key.path: message``."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class LaunchError(SkyrlError):
+    """A process of the plan failed to start, died, or a stage failed."""
+
+    exit_code = 1

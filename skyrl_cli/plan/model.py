@@ -1,0 +1,47 @@
+"""The launch plan: what `skyrl <stage>` will start, fully resolved, before anything starts.
+
+A plan is pure data (written to ``plan.json`` and printed by ``--dry-run``). Building it
+(``skyrl_cli.plan.build``) is a pure function of the recipe, the stage, the CLI flags and the
+machine's facts (cores, GPUs, free ports), which are passed in so the planner is testable.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ReadinessCheck(Frozen):
+    """How the supervisor knows a process is ready: an HTTP GET that answers 200, or nothing."""
+
+    url: str | None = None
+    timeout_s: float = 300.0
+
+
+class ProcessSpec(Frozen):
+    name: str = Field(description="Unique name; the log is logs/<name>.log.")
+    role: Literal["engine", "router", "trainer", "orchestrator", "server"]
+    argv: tuple[str, ...]
+    env: dict[str, str] = Field(default_factory=dict, description="Added to the driver's environment.")
+    devices: tuple[str, ...] = Field((), description="Devices this process owns (cpu:N cores or cuda:N).")
+    ports: tuple[int, ...] = ()
+    ready: ReadinessCheck = Field(default_factory=ReadinessCheck)
+    # Engines and the router are services (run until torn down); a trainer is a job (its exit ends the stage).
+    kind: Literal["service", "job"] = "service"
+
+
+class LaunchPlan(Frozen):
+    stage: Literal["sft", "rl", "quantize", "tinker", "bench"]
+    run_dir: str
+    device: Literal["cpu", "cuda"]
+    resume: bool = False
+    async_mode: bool = False
+    world_size: int = 1
+    engine_urls: tuple[str, ...] = ()
+    router_url: str | None = None
+    processes: tuple[ProcessSpec, ...] = ()

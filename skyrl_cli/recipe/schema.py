@@ -1,0 +1,323 @@
+"""The recipe schema: the one place every recipe key is named, typed, bounded and documented.
+
+A recipe is frozen once validated (``Recipe``) and is the only configuration the launched processes
+receive (as ``recipe.resolved.json`` in the run directory). Derived values (world sizes, ports, paths)
+are computed by ``skyrl_cli.plan``, never here: validators only check.
+
+This module imports nothing heavy (pydantic only) because ``skyrl recipes validate`` and the backend
+processes both load it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+LearningRate = Annotated[float, Field(gt=0, le=1)]
+# "module.path:attribute"; resolved inside the process that uses it.
+ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+
+BUILTIN_TASKS = ("addition", "reversal")
+
+
+class Section(BaseModel):
+    """Base of every recipe table: immutable, unknown keys rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class TinyModelInit(Section):
+    """A random-init Llama-architecture model created locally (no hub access needed)."""
+
+    arch: Literal["llama"] = Field("llama", description="Model architecture of the tiny model.")
+    hidden_size: Annotated[int, Field(ge=8, le=8192)] = Field(128, description="Hidden size.")
+    layers: Annotated[int, Field(ge=1, le=128)] = Field(4, description="Number of decoder layers.")
+    heads: Annotated[int, Field(ge=1, le=128)] = Field(4, description="Attention heads.")
+    intermediate_size: Annotated[int, Field(ge=8, le=65536)] | None = Field(
+        None, description="MLP width; default 4 x hidden_size."
+    )
+    max_position_embeddings: Annotated[int, Field(ge=16, le=131072)] = Field(
+        512, description="Longest sequence the model supports."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> "TinyModelInit":
+        if self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by heads ({self.heads})")
+        return self
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) instead of full fine-tuning."""
+
+    rank: Annotated[int, Field(ge=1, le=1024)] = Field(8, description="LoRA rank r.")
+    alpha: PositiveFloat = Field(16.0, description="LoRA alpha (scale = alpha / rank).")
+    dropout: Annotated[float, Field(ge=0, lt=1)] = Field(0.0, description="LoRA dropout.")
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), description="Module names that get adapters."
+    )
+
+
+class ModelConfig(Section):
+    """The policy model: a local HF checkpoint (``path``) or a tiny model built from ``init``."""
+
+    path: str | None = Field(None, description="Local HF-format model directory.")
+    init: TinyModelInit | None = Field(None, description="Create a tiny random-init model instead of loading one.")
+    tokenizer: str = Field(
+        "auto",
+        description='"auto" (the model\'s own), "char" (a character tokenizer built for the task), or a local path.',
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description='"auto": bfloat16 on GPUs, float32 on CPU for training.'
+    )
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.init is None):
+            raise ValueError("set exactly one of model.path or model.init")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+class DataConfig(Section):
+    """Training and evaluation data: a built-in verifiable task or local files."""
+
+    task: Literal["addition", "reversal"] | None = Field(
+        None, description="Built-in verifiable task, generated deterministically from the recipe seed."
+    )
+    train: str | None = Field(None, description="Local JSONL / parquet file or HF dataset directory.")
+    eval: str | None = Field(None, description="Held-out split (same formats as train).")
+    format: Literal["auto", "messages", "prompt_completion"] = Field(
+        "auto", description="Row format: chat `messages` or `prompt`/`completion` (and `answer` for rewards)."
+    )
+    loss_on: Literal["assistant", "last_assistant", "all"] = Field(
+        "assistant", description="Which tokens carry SFT loss."
+    )
+    train_size: PositiveInt = Field(20000, description="Rows generated for a built-in task's train split.")
+    eval_size: PositiveInt = Field(500, description="Rows in the held-out split (built-in task or cap on files).")
+    digits: Annotated[int, Field(ge=1, le=12)] = Field(3, description="Operand digits (addition) or string length (reversal).")
+    max_length: Annotated[int, Field(ge=8, le=131072)] = Field(512, description="Sequences are truncated to this many tokens.")
+
+    @model_validator(mode="after")
+    def _task_or_files(self) -> "DataConfig":
+        if (self.task is None) == (self.train is None):
+            raise ValueError("set exactly one of data.task or data.train")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- sft
+
+
+class SftConfig(Section):
+    """Supervised fine-tuning stage (``skyrl sft``)."""
+
+    steps: PositiveInt = Field(1000, description="Optimizer steps.")
+    batch_size: PositiveInt = Field(128, description="Sequences per optimizer step, over all ranks.")
+    learning_rate: LearningRate = Field(3e-3, description="Peak learning rate (AdamW).")
+    warmup_steps: NonNegativeInt = Field(100, description="Linear warm-up steps.")
+    schedule: Literal["cosine", "constant", "linear"] = Field("cosine", description="Decay after warm-up.")
+    min_lr_ratio: Probability = Field(0.1, description="Final learning rate as a fraction of the peak.")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="AdamW weight decay.")
+    grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="Max gradient norm; 0 disables clipping.")
+    micro_batching: Literal["dynamic", "fixed"] = Field(
+        "dynamic", description="dynamic: pack up to max_tokens_per_microbatch; fixed: micro_batch_size sequences."
+    )
+    max_tokens_per_microbatch: PositiveInt = Field(4096, description="Token budget of one micro-batch (dynamic).")
+    micro_batch_size: PositiveInt = Field(8, description="Sequences per micro-batch (fixed).")
+    eval_every: NonNegativeInt = Field(250, description="Evaluate every k steps (0: only at the end).")
+    save_every: NonNegativeInt = Field(250, description="Checkpoint every k steps (0: only at the end).")
+    keep_last: PositiveInt = Field(2, description="Checkpoints kept on disk.")
+
+
+# ------------------------------------------------------------------------------------------------ rl
+
+
+class AdvantageConfig(Section):
+    kind: Literal["grpo", "rloo", "reinforce_pp"] = Field("grpo", description="Advantage estimator.")
+    std_normalize: bool = Field(True, description="GRPO: divide by the group's reward std.")
+
+
+class PolicyLossConfig(Section):
+    kind: Literal["ppo_clip", "dual_clip", "gspo", "cispo"] = Field("ppo_clip", description="Policy loss.")
+    eps_low: Annotated[float, Field(ge=0, le=1)] = Field(0.2, description="Lower clip range of the ratio.")
+    eps_high: Annotated[float, Field(ge=0, le=10)] = Field(0.28, description="Upper clip range of the ratio.")
+    dual_clip_c: Annotated[float, Field(gt=1)] = Field(3.0, description="Dual-clip bound for negative advantages.")
+    reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="How token losses are reduced over the mini-batch."
+    )
+
+
+class KlConfig(Section):
+    coef: Annotated[float, Field(ge=0)] = Field(0.0, description="Weight of the KL-to-reference loss term (0: off).")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+
+
+class DynamicSamplingConfig(Section):
+    enabled: bool = Field(False, description="Drop groups whose rewards are all equal and sample more.")
+    max_extra_batches: NonNegativeInt = Field(4, description="Bound on extra sampling batches per step.")
+
+
+class OffPolicyConfig(Section):
+    token_is_cap: PositiveFloat | None = Field(2.0, description="Truncate token importance ratios at this value.")
+    seq_is_cap: PositiveFloat | None = Field(None, description="Truncate sequence importance ratios at this value.")
+    mask_low: Annotated[float, Field(ge=0)] | None = Field(None, description="Mask sequences whose geometric ratio is below.")
+    mask_high: PositiveFloat | None = Field(None, description="Mask sequences whose geometric ratio is above.")
+
+
+class AsyncConfig(Section):
+    max_staleness: NonNegativeInt = Field(2, description="Policy versions generation may run ahead (used with --async).")
+    reset_prefix_cache: bool = Field(False, description="Reset the engines' prefix cache after a weight update.")
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="Off-policy correction.")
+
+
+class RlConfig(Section):
+    """Reinforcement learning stage (``skyrl rl``)."""
+
+    init_from: str = Field("sft", description='"sft" (this recipe\'s SFT output) or a checkpoint directory.')
+    steps: PositiveInt = Field(100, description="Training steps (policy versions).")
+    prompts_per_step: PositiveInt = Field(32, description="Groups (prompts) per training step.")
+    samples_per_prompt: PositiveInt = Field(8, description="Samples per prompt (group size).")
+    max_new_tokens: PositiveInt = Field(64, description="Longest response per turn.")
+    temperature: Annotated[float, Field(gt=0, le=5)] = Field(1.0, description="Sampling temperature.")
+    learning_rate: LearningRate = Field(2e-4, description="Learning rate (AdamW, constant after warm-up).")
+    warmup_steps: NonNegativeInt = Field(0, description="Linear warm-up steps.")
+    grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="Max gradient norm; 0 disables clipping.")
+    max_tokens_per_microbatch: PositiveInt = Field(4096, description="Token budget of one training micro-batch.")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    kl: KlConfig = Field(default_factory=KlConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    environment: ImportRef | None = Field(None, description="Custom environment class `module:Class`.")
+    reward: ImportRef | None = Field(None, description="Custom reward function `module:function`.")
+    reward_timeout_s: PositiveFloat = Field(10.0, description="A reward call slower than this scores 0.")
+    max_turns: PositiveInt = Field(1, description="Turns per episode (multi-turn environments).")
+    eval_every: NonNegativeInt = Field(10, description="Evaluate every k steps (0: only at the end).")
+    save_every: NonNegativeInt = Field(10, description="Checkpoint every k steps (0: only at the end).")
+    keep_last: PositiveInt = Field(2, description="Checkpoints kept on disk.")
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, populate_by_name=True)
+
+
+# ------------------------------------------------------------------------------------------- runtime
+
+
+class RouterConfig(Section):
+    policy: Literal[
+        "sticky_least_loaded", "consistent_hash", "round_robin", "power_of_two", "cache_aware", "random"
+    ] = Field("sticky_least_loaded", description="vllm-router load-balancing policy.")
+    port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(None, description="Router port (default: a free one).")
+
+
+class SpeculativeConfig(Section):
+    method: Literal["ngram", "draft_model", "eagle", "mtp"] = Field("ngram", description="vLLM speculative method.")
+    num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = Field(3, description="Draft depth k.")
+    prompt_lookup_max: Annotated[int, Field(ge=1, le=64)] = Field(4, description="n-gram: longest n-gram matched.")
+    model: str | None = Field(None, description="Draft / EAGLE model directory (draft_model, eagle).")
+
+    @model_validator(mode="after")
+    def _model_when_needed(self) -> "SpeculativeConfig":
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs a model")
+        return self
+
+
+class InferenceConfig(Section):
+    """vLLM engines behind vllm-router."""
+
+    engines: NonNegativeInt = Field(1, description="Local vLLM engines to start.")
+    urls: tuple[str, ...] = Field((), description="Already-running engines on other hosts (http://host:port).")
+    tensor_parallel: PositiveInt = Field(1, description="GPUs per engine (tensor parallelism).")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(0.85, description="vLLM GPU memory share.")
+    kv_cache_bytes: PositiveInt = Field(64 * 2**20, description="KV cache per engine on CPU.")
+    max_model_len: PositiveInt = Field(512, description="Longest prompt + response.")
+    max_num_seqs: PositiveInt = Field(64, description="Concurrent sequences per engine.")
+    max_concurrency: PositiveInt = Field(64, description="In-flight requests the rollout client allows.")
+    request_timeout_s: PositiveFloat = Field(120.0, description="Per-request timeout.")
+    max_retries: NonNegativeInt = Field(3, description="Retries of a failed request.")
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding.")
+
+    @model_validator(mode="after")
+    def _some_engine(self) -> "InferenceConfig":
+        if self.engines == 0 and not self.urls:
+            raise ValueError("set inference.engines > 0 or give inference.urls")
+        return self
+
+
+class TrainerConfig(Section):
+    """DeepSpeed trainer launched with torchrun."""
+
+    ranks: PositiveInt = Field(1, description="Processes per node (torchrun --nproc-per-node).")
+    nnodes: PositiveInt = Field(1, description="Nodes (torchrun --nnodes).")
+    node_rank: NonNegativeInt = Field(0, description="This node's rank.")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (multi-node).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description='"auto": cuda if available, else cpu.')
+    gpus: tuple[NonNegativeInt, ...] | None = Field(None, description="GPU ids for the trainer on this node.")
+    threads_per_rank: PositiveInt | None = Field(None, description="CPU threads per rank (default: cores / ranks).")
+
+    @model_validator(mode="after")
+    def _layout(self) -> "TrainerConfig":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be < nnodes ({self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("multi-node training needs trainer.rdzv_endpoint")
+        if self.gpus is not None and len(self.gpus) != self.ranks:
+            raise ValueError(f"trainer.gpus lists {len(self.gpus)} ids for {self.ranks} ranks")
+        return self
+
+
+class QuantizationConfig(Section):
+    int4_qat: bool = Field(False, description="INT4 fake-quant (group-symmetric) during training.")
+    group_size: Literal[32, 64, 128] = Field(32, description="Quantization group size.")
+
+
+class WandbConfig(Section):
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description="W&B mode.")
+    project: str = Field("skyrl", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity.")
+
+
+class LoggingConfig(Section):
+    wandb: WandbConfig = Field(default_factory=lambda: WandbConfig(mode="disabled"))
+    log_every: PositiveInt = Field(10, description="Training metrics every k steps.")
+
+
+# ------------------------------------------------------------------------------------------- recipe
+
+
+class Recipe(Section):
+    """A whole recipe. At least one of ``[sft]`` and ``[rl]`` must be present."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)] = Field(
+        description="Run name; the run directory is runs/<name> unless --run-dir is given."
+    )
+    seed: NonNegativeInt = Field(0, description="Seed for data generation, sampling and init.")
+    model: ModelConfig
+    data: DataConfig
+    sft: SftConfig | None = None
+    rl: RlConfig | None = None
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _some_stage(self) -> "Recipe":
+        if self.sft is None and self.rl is None:
+            raise ValueError("a recipe needs an [sft] or an [rl] section")
+        if self.model.tokenizer == "char" and self.model.init is None:
+            raise ValueError('model.tokenizer = "char" only goes with model.init (a new tiny model)')
+        return self
