@@ -1,0 +1,261 @@
+"""Starts and supervises the processes of a launch plan, and guarantees their teardown.
+
+Every process gets its own session (process group) so that one ``killpg`` reaches the children it
+spawns (vLLM's EngineCore, torchrun's workers), its output goes to ``logs/<name>.log``, and it is
+torn down when the supervisor exits for any reason:
+
+- normal exit, an exception, or Ctrl-C: ``__exit__`` sends SIGTERM to every group, waits a grace
+  period, then SIGKILLs what is left;
+- SIGTERM / SIGHUP to the driver: turned into ``KeyboardInterrupt`` so the same path runs;
+- SIGKILL of the driver (nothing in the driver runs): a small reaper process
+  (``skyrl_cli.launch.reaper``) holds a pipe from the driver and kills every group it was told about
+  when the pipe closes; as a second line, each child is started with ``PR_SET_PDEATHSIG=SIGTERM``.
+  PDEATHSIG fires when the *thread* that forked the child exits, so only start processes from the
+  main thread or threads that live as long as the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import httpx
+
+from skyrl_cli.errors import LaunchError
+from skyrl_cli.plan.model import ProcessSpec
+
+TERM_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the driver dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: teardown then relies on the driver's own exit path
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last lines of a log file, for error messages."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class ManagedProcess:
+    spec: ProcessSpec
+    popen: subprocess.Popen
+    log_path: Path
+    started_at: float
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+
+class Supervisor:
+    """Context manager owning the processes of one run. See the module docstring."""
+
+    def __init__(self, run_dir: str | os.PathLike, base_env: dict[str, str] | None = None):
+        self.run_dir = Path(run_dir)
+        self.logs_dir = self.run_dir / "logs"
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.processes: dict[str, ManagedProcess] = {}
+        self._lock = threading.RLock()
+        self._old_handlers: dict[int, object] = {}
+        self._closed = False
+        self._reaper: subprocess.Popen | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Supervisor":
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "skyrl_cli.launch.reaper"],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            text=True,
+        )
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._old_handlers[sig] = signal.signal(sig, self._raise_interrupt)
+        atexit.register(self.shutdown)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        atexit.unregister(self.shutdown)
+
+    @staticmethod
+    def _raise_interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # ------------------------------------------------------------------ processes
+    def start(self, spec: ProcessSpec) -> ManagedProcess:
+        with self._lock:
+            if spec.name in self.processes and self.processes[spec.name].returncode is None:
+                raise LaunchError(f"process {spec.name!r} is already running")
+            log_path = self.logs_dir / f"{spec.name}.log"
+            log = open(log_path, "ab", buffering=0)
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode())
+            env = {**self.base_env, **spec.env}
+            try:
+                popen = subprocess.Popen(
+                    list(spec.argv),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as err:
+                raise LaunchError(f"cannot start {spec.name}: {spec.argv[0]}: {err.strerror}") from err
+            finally:
+                log.close()  # the child holds its own descriptor
+            proc = ManagedProcess(spec, popen, log_path, time.monotonic())
+            self._tell_reaper(f"+{popen.pid}")
+            self.processes[spec.name] = proc
+            return proc
+
+    def _tell_reaper(self, line: str) -> None:
+        if self._reaper is None or self._reaper.stdin is None:
+            return
+        try:
+            self._reaper.stdin.write(line + "\n")
+            self._reaper.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            self._reaper = None
+
+    def poll(self) -> dict[str, int | None]:
+        with self._lock:
+            return {name: p.returncode for name, p in self.processes.items()}
+
+    def _failure(self, proc: ManagedProcess, what: str) -> LaunchError:
+        tail = log_tail(proc.log_path)
+        detail = f"\n{tail}" if tail else ""
+        return LaunchError(f"{proc.spec.name} {what} (exit code {proc.returncode}); log: {proc.log_path}{detail}")
+
+    def wait_ready(self, names: Iterable[str] | None = None, timeout_s: float | None = None) -> None:
+        """Block until every named process answers its readiness URL with HTTP 200."""
+        with self._lock:
+            pending = [self.processes[n] for n in (names or list(self.processes))]
+        deadline = time.monotonic() + (timeout_s or max((p.spec.ready.timeout_s for p in pending), default=0))
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for proc in list(pending):
+                    if proc.returncode is not None:
+                        raise self._failure(proc, "exited before it was ready")
+                    url = proc.spec.ready.url
+                    if url is None or _answers_ok(client, url):
+                        pending.remove(proc)
+                if pending and time.monotonic() > deadline:
+                    names_left = ", ".join(p.spec.name for p in pending)
+                    raise LaunchError(f"timed out waiting for {names_left} to become ready; see {self.logs_dir}")
+                if pending:
+                    time.sleep(0.25)
+
+    def wait_job(
+        self,
+        name: str,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 0.5,
+        fatal_services: Iterable[str] | None = None,
+    ) -> int:
+        """Wait for a job to exit; return its exit code. A service listed in ``fatal_services``
+        (default: all services) that dies meanwhile raises ``LaunchError``."""
+        job = self.processes[name]
+        while True:
+            code = job.popen.poll()
+            if on_tick is not None:
+                on_tick()
+            if code is not None:
+                return code
+            watched = set(fatal_services) if fatal_services is not None else None
+            with self._lock:
+                for other in self.processes.values():
+                    if other.spec.kind != "service" or other.returncode is None:
+                        continue
+                    if watched is None or other.spec.name in watched:
+                        raise self._failure(other, "died")
+            time.sleep(tick_s)
+
+    def stop(self, name: str, grace_s: float = TERM_GRACE_S) -> None:
+        with self._lock:
+            proc = self.processes.get(name)
+        if proc is not None:
+            _terminate_groups([proc], grace_s)
+            self._tell_reaper(f"-{proc.popen.pid}")
+
+    def restart(self, name: str, spec: ProcessSpec | None = None) -> ManagedProcess:
+        with self._lock:
+            old = self.processes[name]
+        self.stop(name)
+        return self.start(spec or old.spec)
+
+    def shutdown(self, grace_s: float = TERM_GRACE_S) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            procs = list(self.processes.values())
+        # Reverse start order: jobs and the router go before the engines they talk to.
+        _terminate_groups(list(reversed(procs)), grace_s)
+        self._tell_reaper("done")
+        if self._reaper is not None:
+            try:
+                self._reaper.stdin.close()
+                self._reaper.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self._reaper.kill()
+            self._reaper = None
+
+
+def _answers_ok(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # pid == pgid: each child leads its own session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate_groups(procs: list[ManagedProcess], grace_s: float) -> None:
+    """SIGTERM every process group, wait up to ``grace_s``, SIGKILL the rest (children included)."""
+    for proc in procs:
+        _signal_group(proc.popen.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        # Also the group: a leader that exited on SIGTERM may leave children behind.
+        _signal_group(proc.popen.pid, signal.SIGKILL)
+        try:
+            proc.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            print(f"warning: {proc.spec.name} (pid {proc.popen.pid}) did not exit", file=sys.stderr)
