@@ -1,0 +1,154 @@
+"""Orchestrator <-> trainer exchange through the run directory, with atomic renames.
+
+Works the same on one machine and on a shared file system across nodes:
+
+- ``batches/step-<k>.json``: the k-th training batch (k from 0), written by the orchestrator.
+- ``weights/v<k>/``: the policy after k optimizer steps (HF safetensors + config), written by the
+  trainer's rank 0; ``v0`` is the initial policy. ``weights/LATEST`` names the newest version.
+- ``control/stop``: written by either side to ask the other to stop (e.g. after a failure).
+
+Every file or directory appears complete or not at all: it is written under a ``.tmp-`` name in
+the same directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory next to ``target``; rename it to ``target`` on success.
+
+    An existing ``target`` is replaced (moved aside, then deleted) so a reader never sees a mix.
+    On an exception the temporary directory is removed and ``target`` is untouched.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if target.exists():
+            old = target.with_name(f".old-{target.name}-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+class StopRequested(Exception):
+    """The other side asked to stop (``control/stop`` exists)."""
+
+
+class RunExchange:
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.batches = self.run_dir / "batches"
+        self.weights = self.run_dir / "weights"
+        self.control = self.run_dir / "control"
+
+    # ------------------------------------------------------------------ batches
+    def batch_path(self, step: int) -> Path:
+        return self.batches / f"step-{step}.json"
+
+    def write_batch(self, step: int, batch: dict[str, Any]) -> Path:
+        path = self.batch_path(step)
+        atomic_write_text(path, json.dumps(batch))
+        return path
+
+    def read_batch(self, step: int, timeout_s: float | None = None, poll_s: float = 0.05) -> dict[str, Any]:
+        path = self.batch_path(step)
+        self._wait_for(path.exists, f"batch {step}", timeout_s, poll_s)
+        return json.loads(path.read_text())
+
+    def drop_batch(self, step: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.batch_path(step).unlink()
+
+    # ------------------------------------------------------------------ weights
+    def weights_dir(self, version: int) -> Path:
+        return self.weights / f"v{version}"
+
+    @contextlib.contextmanager
+    def publish_weights(self, version: int) -> Iterator[Path]:
+        """Write the weights of ``version`` into the yielded dir; it appears atomically, then LATEST."""
+        with atomic_dir(self.weights_dir(version)) as tmp:
+            yield tmp
+        atomic_write_text(self.weights / "LATEST", str(version))
+
+    def latest_version(self) -> int | None:
+        try:
+            return int((self.weights / "LATEST").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def wait_version(self, version: int, timeout_s: float | None = None, poll_s: float = 0.05) -> Path:
+        self._wait_for(lambda: (self.latest_version() or -1) >= version, f"weights v{version}", timeout_s, poll_s)
+        return self.weights_dir(self.latest_version())
+
+    def prune_weights(self, keep: set[int]) -> None:
+        """Delete published versions not in ``keep`` (engines only need the newest)."""
+        if not self.weights.exists():
+            return
+        for path in self.weights.glob("v*"):
+            try:
+                version = int(path.name[1:])
+            except ValueError:
+                continue
+            if version not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ control
+    def request_stop(self, reason: str) -> None:
+        atomic_write_text(self.control / "stop", reason)
+
+    def stop_reason(self) -> str | None:
+        try:
+            return (self.control / "stop").read_text()
+        except FileNotFoundError:
+            return None
+
+    def _wait_for(self, ready: Callable[[], bool], what: str, timeout_s: float | None, poll_s: float) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not ready():
+            reason = self.stop_reason()
+            if reason is not None:
+                raise StopRequested(reason)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what} in {self.run_dir}")
+            time.sleep(poll_s)

@@ -1,0 +1,60 @@
+"""Batches and weights move between orchestrator and trainer whole or not at all."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from backends.exchange import RunExchange, StopRequested, atomic_dir
+
+
+def test_atomic_dir_failure_leaves_target_untouched(tmp_path):
+    target = tmp_path / "ckpt"
+    with atomic_dir(target) as tmp:
+        (tmp / "model.safetensors").write_text("v1")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(target) as tmp:
+            (tmp / "model.safetensors").write_text("half")
+            raise RuntimeError("crash mid-write")
+    assert (target / "model.safetensors").read_text() == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_atomic_dir_replaces_existing(tmp_path):
+    target = tmp_path / "ckpt"
+    for version in ("v1", "v2"):
+        with atomic_dir(target) as tmp:
+            (tmp / "f").write_text(version)
+    assert (target / "f").read_text() == "v2"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_batch_round_trip_and_wait(tmp_path):
+    ex = RunExchange(tmp_path)
+    threading.Timer(0.1, ex.write_batch, args=(3, {"samples": [1, 2]})).start()
+    assert ex.read_batch(3, timeout_s=5) == {"samples": [1, 2]}
+    with pytest.raises(TimeoutError, match="batch 4"):
+        ex.read_batch(4, timeout_s=0.1)
+
+
+def test_weights_versions_and_latest(tmp_path):
+    ex = RunExchange(tmp_path)
+    assert ex.latest_version() is None
+    for v in (0, 1, 2):
+        with ex.publish_weights(v) as d:
+            (d / "w").write_text(str(v))
+    assert ex.latest_version() == 2
+    assert (ex.wait_version(1, timeout_s=1) / "w").read_text() == "2"
+    ex.prune_weights(keep={2})
+    assert sorted(p.name for p in (tmp_path / "weights").glob("v*")) == ["v2"]
+
+
+def test_stop_request_interrupts_a_wait(tmp_path):
+    ex = RunExchange(tmp_path)
+    threading.Timer(0.1, ex.request_stop, args=("trainer failed",)).start()
+    start = time.monotonic()
+    with pytest.raises(StopRequested, match="trainer failed"):
+        ex.read_batch(0, timeout_s=10)
+    assert time.monotonic() - start < 5
