@@ -1,0 +1,1 @@
+complete --command skyrl --no-files --arguments "(env _SKYRL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) skyrl)" --condition "env _SKYRL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) skyrl"

@@ -1,0 +1,105 @@
+"""What every run command (``skyrl sft``, ``skyrl rl``, ``skyrl quantize``, ...) shares.
+
+Options, as Typer ``Annotated`` types to put in a command's signature::
+
+    from skyrl_cli.commands import common
+
+    @app.command("sft")
+    def sft(
+        recipe: common.RecipeArg,
+        set_: common.SetOpt = None,
+        run_dir: common.RunDirOpt = None,
+        dry_run: common.DryRunOpt = False,
+        resume: common.ResumeOpt = False,
+        overwrite: common.OverwriteOpt = False,
+        quiet: common.QuietOpt = False,
+        json_: common.JsonOpt = False,
+    ) -> None:
+        recipe_obj = common.load_for_run(recipe, set_, "sft")         # RecipeError (exit 2) on any problem
+        directory = common.run_dir_for(recipe_obj, "sft", run_dir)    # --run-dir or runs/<name>/sft
+        plan = ...                                                    # the planner's LaunchPlan
+        if dry_run:
+            common.print_plan(plan, json_); return
+        prepare_run_dir(directory, recipe_obj, plan, resume=resume, overwrite=overwrite)  # skyrl_cli.rundir
+        sinks = common.output_sinks(common.output_mode(quiet, json_), recipe_obj, directory, title="sft")
+        with FollowedRun(directory, sinks) as run:                   # skyrl_cli.metrics.follow
+            supervisor.wait_job("trainer", on_tick=run.poll)
+
+Output modes: "live" (rich live view on stderr + summary table), "quiet" (summary table only),
+"json" (events as JSON lines on stdout, then ``{"summary": ...}``). W&B is added in every mode when
+the recipe's ``[logging.wandb]`` asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal, Optional
+
+import typer
+
+from skyrl_cli.errors import UsageError
+
+if TYPE_CHECKING:  # pydantic stays out of `skyrl --help`
+    from skyrl_cli.recipe.schema import Recipe
+
+OutputMode = Literal["live", "quiet", "json"]
+
+RecipeArg = Annotated[str, typer.Argument(help="Recipe TOML file, or the name of a built-in recipe.", metavar="RECIPE")]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override a recipe value, e.g. --set sft.steps=10 (repeatable).", metavar="KEY.PATH=VALUE"),
+]
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: runs/<name>/<stage>).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the launch plan and exit; start nothing.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the run directory.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Start again in a run directory that holds a previous run (deletes it).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No live view; print the final summary only.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print metric events as JSON lines on stdout (for scripts).")]
+GpusOpt = Annotated[
+    Optional[int], typer.Option("--gpus", min=0, help="GPUs to check the layout against (default: those visible here).")
+]
+
+
+def load_for_run(recipe: str, sets: list[str] | None, stage: str | None, gpu_count: int | None = None) -> Recipe:
+    """Resolve the recipe argument (file or built-in name), load it with the ``--set`` overrides and
+    check that it has the section of the stage the command runs (``"sft"`` or ``"rl"``; other
+    stages and ``None`` check nothing). ``gpu_count=None``: the GPUs visible on this machine."""
+    from skyrl_cli.recipe.loader import load_recipe
+    from skyrl_cli.recipe.registry import resolve_recipe_arg
+
+    path = resolve_recipe_arg(recipe)
+    loaded = load_recipe(path, sets or (), gpu_count=gpu_count)
+    if stage in ("sft", "rl") and getattr(loaded, stage) is None:
+        raise UsageError(f"recipe {path} has no [{stage}] section")
+    return loaded
+
+
+def run_dir_for(recipe: Recipe, stage: str, run_dir: Path | None) -> Path:
+    from skyrl_cli.rundir import resolve_run_dir
+
+    return resolve_run_dir(recipe, stage, run_dir)
+
+
+def output_mode(quiet: bool, json_: bool) -> OutputMode:
+    if quiet and json_:
+        raise UsageError("--quiet and --json exclude each other")
+    return "json" if json_ else "quiet" if quiet else "live"
+
+
+def output_sinks(mode: OutputMode, recipe: Recipe, run_dir: Path, title: str):
+    """The sinks for an output mode, plus W&B if the recipe enables it (a ``SinkGroup``)."""
+    from skyrl_cli.metrics.live import LiveView
+    from skyrl_cli.metrics.sinks import JsonLinesSink, SinkGroup, SummaryPrinter
+    from skyrl_cli.metrics.wandb_sink import wandb_sink_for
+    from skyrl_cli.rundir import recipe_json
+
+    sinks = {"live": [LiveView(title), SummaryPrinter()], "quiet": [SummaryPrinter()], "json": [JsonLinesSink()]}[mode]
+    wandb = wandb_sink_for(recipe.logging.wandb, f"{recipe.name}-{title}", run_dir, recipe_json(recipe))
+    return SinkGroup(sinks + ([wandb] if wandb else []))
+
+
+def print_plan(plan, json_: bool = False) -> None:
+    """``--dry-run`` output: the plan as JSON (``--json``) or indented JSON for people."""
+    data = plan.model_dump(mode="json") if hasattr(plan, "model_dump") else plan
+    typer.echo(json.dumps(data) if json_ else json.dumps(data, indent=2))

@@ -1,0 +1,125 @@
+"""`skyrl recipes ...` and the broken-recipe corpus."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from skyrl_cli.recipe.registry import builtin_recipes
+
+from .conftest import REPO, run_console_script
+
+BROKEN = sorted((REPO / "tests" / "recipes_broken").glob("*.toml"))
+
+
+def expectations(path: Path) -> tuple[list[str], list[str]]:
+    """The ``# expect:`` lines (``{file}`` = the path given) and ``# args:`` of a corpus file."""
+    text = path.read_text()
+    rel = str(path.relative_to(REPO))
+    expected = [line.removeprefix("# expect: ").replace("{file}", rel) for line in text.splitlines() if line.startswith("# expect: ")]
+    args = [a for line in text.splitlines() if line.startswith("# args:") for a in line.removeprefix("# args:").split()]
+    return expected, args
+
+
+def test_corpus_covers_every_kind_of_problem():
+    names = {p.stem for p in BROKEN}
+    assert {"syntax_error", "unknown_key", "wrong_type", "out_of_range", "missing_file", "impossible_layout"} <= names
+    assert all(expectations(p)[0] for p in BROKEN)
+
+
+@pytest.mark.parametrize("path", BROKEN, ids=lambda p: p.stem)
+def test_broken_recipe_gives_the_exact_error(skyrl, path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    expected, args = expectations(path)
+    result = skyrl("recipes", "validate", str(path.relative_to(REPO)), *args)
+    assert result.code == 2
+    assert result.err.splitlines() == [f"error: {line}" for line in expected]
+    assert "Traceback" not in result.err + result.out
+
+
+@pytest.mark.parametrize("name", ["unknown_key", "syntax_error"])
+def test_broken_recipe_through_the_console_script(name):
+    path = REPO / "tests" / "recipes_broken" / f"{name}.toml"
+    expected, _ = expectations(path)
+    result = run_console_script("recipes", "validate", str(path.relative_to(REPO)))
+    assert result.code == 2
+    assert result.err.splitlines() == [f"error: {line}" for line in expected]
+    assert "Traceback" not in result.err + result.out
+
+
+@pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)
+def test_every_builtin_recipe_validates(skyrl, recipe):
+    for gpus in ("0", "8"):
+        result = skyrl("recipes", "validate", recipe.name, "--gpus", gpus)
+        assert result.code == 0, result.err
+        assert result.out.strip() == f"ok: {recipe.name}"
+
+
+@pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)
+def test_every_builtin_recipe_has_a_header(recipe):
+    assert recipe.purpose and recipe.hardware != "?" and recipe.time != "?" and recipe.expected != "?"
+    assert recipe.stages
+    assert f"skyrl {recipe.stages[0]} recipes/{recipe.name}.toml" in recipe.path.read_text()
+
+
+def test_validate_reports_every_file(skyrl, monkeypatch):
+    monkeypatch.chdir(REPO)
+    result = skyrl("recipes", "validate", "recipes/quickstart.toml", "tests/recipes_broken/unknown_key.toml", "nope.toml")
+    assert result.code == 2
+    assert result.out == "ok: recipes/quickstart.toml\n"
+    assert result.err.splitlines()[-1] == "error: recipe file not found: nope.toml"
+
+
+def test_validate_with_set(skyrl):
+    assert skyrl("recipes", "validate", "quickstart", "--set", "sft.steps=5").code == 0
+    result = skyrl("recipes", "validate", "quickstart", "--set", "sft.steps=-5")
+    assert result.code == 2
+    assert result.err == "error: --set: sft.steps: Input should be greater than 0 (got -5)\n"
+
+
+def test_ls_lists_builtin_recipes(skyrl):
+    result = skyrl("recipes", "ls")
+    assert result.code == 0
+    assert "quickstart" in result.out and "sft + rl" in result.out
+
+
+def test_show_prints_the_toml(skyrl):
+    result = skyrl("recipes", "show", "quickstart")
+    assert result.code == 0
+    assert result.out == (REPO / "recipes" / "quickstart.toml").read_text()
+
+
+def test_show_unknown_name_suggests(skyrl):
+    result = skyrl("recipes", "show", "quikstart")
+    assert result.code == 2
+    assert result.err == "error: no built-in recipe named 'quikstart'; did you mean 'quickstart'?\n"
+
+
+def test_cp_refuses_to_overwrite_without_force(skyrl, tmp_path):
+    dest = tmp_path / "my.toml"
+    assert skyrl("recipes", "cp", "quickstart", dest).code == 0
+    assert dest.read_text() == (REPO / "recipes" / "quickstart.toml").read_text()
+    dest.write_text("# mine\n")
+    refused = skyrl("recipes", "cp", "quickstart", dest)
+    assert refused.code == 2 and "exists; pass --force" in refused.err
+    assert dest.read_text() == "# mine\n"
+    assert skyrl("recipes", "cp", "quickstart", dest, "--force").code == 0
+    assert dest.read_text().startswith("# Quickstart")
+    assert skyrl("recipes", "cp", "quickstart", tmp_path).code == 0  # into a directory
+    assert (tmp_path / "quickstart.toml").exists()
+
+
+def test_schema_is_json_schema_with_toml_keys(skyrl):
+    result = skyrl("recipes", "schema")
+    schema = json.loads(result.out)
+    assert schema["title"] == "Recipe"
+    assert "async" in json.dumps(schema["$defs"]["RlConfig"]["properties"])
+    assert "async_" not in result.out
+
+
+def test_version(skyrl):
+    result = skyrl("--version")
+    assert result.code == 0 and re.fullmatch(r"skyrl \d+\.\d+\.\d+\S*\n", result.out)

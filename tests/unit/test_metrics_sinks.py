@@ -1,0 +1,172 @@
+"""Metric sinks, the follower and summary.json. A failing sink (W&B included) never raises."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+from rich.console import Console
+
+from skyrl_cli.metrics.events import EventWriter, MetricEvent
+from skyrl_cli.metrics.follow import EventFollower, FollowedRun, follow_events
+from skyrl_cli.metrics.live import LiveView, MetricBoard
+from skyrl_cli.metrics.sinks import JsonLinesSink, Sink, SinkGroup, SummaryPrinter
+from skyrl_cli.metrics.summary import summarize, write_summary
+from skyrl_cli.metrics.wandb_sink import WandbSink, wandb_sink_for
+from skyrl_cli.recipe.schema import WandbConfig
+
+
+def event(step, name, value, process="trainer", t=0.0):
+    return MetricEvent(t, step, process, name, value)
+
+
+class Recorder(Sink):
+    name = "recorder"
+
+    def __init__(self):
+        self.events, self.started, self.summary = [], False, "not closed"
+
+    def start(self):
+        self.started = True
+
+    def handle(self, events):
+        self.events += events
+
+    def close(self, summary=None):
+        self.summary = summary
+
+
+class Exploding(Sink):
+    name = "exploding"
+
+    def handle(self, events):
+        raise RuntimeError("boom")
+
+
+def test_a_failing_sink_is_disabled_with_one_warning():
+    warnings, good = [], Recorder()
+    group = SinkGroup([Exploding(), good], warn=warnings.append)
+    group.start()
+    group.handle([event(1, "train/loss", 1.0)])
+    group.handle([event(2, "train/loss", 0.5)])
+    group.close({"x": 1})
+    assert [e.step for e in good.events] == [1, 2]
+    assert good.summary == {"x": 1}
+    assert warnings == ["metrics sink 'exploding' failed and is disabled: RuntimeError: boom"]
+
+
+def test_wandb_import_failure_disables_the_sink(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    warnings = []
+    group = SinkGroup([WandbSink(WandbConfig(mode="offline"), "t", "/nonexistent")], warn=warnings.append)
+    group.start()
+    group.handle([event(1, "train/loss", 1.0)])
+    group.close(None)
+    assert len(warnings) == 1 and warnings[0].startswith("metrics sink 'wandb' failed and is disabled: ModuleNotFoundError")
+
+
+def test_wandb_disabled_mode_makes_no_sink():
+    assert wandb_sink_for(WandbConfig(mode="disabled"), "t", "/tmp") is None
+
+
+def test_wandb_offline_run_writes_locally(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    warnings = []
+    group = SinkGroup([WandbSink(WandbConfig(mode="offline"), "t", tmp_path, {"name": "t"})], warn=warnings.append)
+    group.start()
+    group.handle([event(1, "train/loss", 1.0), event(1, "train/lr", 0.1), event(2, "train/loss", 0.5)])
+    group.close({"metrics": {"train/loss": 0.5}})
+    assert warnings == []
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_json_lines_sink_prints_events_then_summary():
+    out = io.StringIO()
+    sink = JsonLinesSink(out)
+    sink.handle([event(1, "train/loss", 1.5)])
+    sink.close({"steps": 1})
+    lines = out.getvalue().splitlines()
+    assert json.loads(lines[0]) == {"time": 0.0, "step": 1, "process": "trainer", "name": "train/loss", "value": 1.5}
+    assert json.loads(lines[1]) == {"summary": {"steps": 1}}
+
+
+def test_board_rows_only_for_seen_metrics_and_mean_over_processes():
+    board = MetricBoard()
+    board.update([
+        event(0, "progress/total_steps", 100),
+        event(3, "train/loss", 0.25),
+        event(5, "train/loss", 0.125),
+        event(1, "engine/kv_cache_usage", 0.2, process="engine-0"),
+        event(1, "engine/kv_cache_usage", 0.4, process="engine-1"),
+    ])
+    assert board.total == 100 and board.step == 5
+    assert board.rows() == [("loss", "0.1250"), ("KV-cache use", "30%")]
+
+
+def test_live_view_renders_progress_and_rows():
+    buffer = io.StringIO()
+    view = LiveView("sft", console=Console(file=buffer, force_terminal=False, width=100))
+    view.start()
+    view.handle([event(0, "progress/total_steps", 10), event(4, "train/loss", 0.5), event(4, "eval/accuracy", 0.75)])
+    view.close(None)
+    text = buffer.getvalue()
+    assert "4/10" in text and "loss" in text and "0.750" in text
+
+
+def test_summary_keeps_last_values_and_throughput():
+    events = [
+        event(1, "train/loss", 2.0, t=10.0),
+        event(1, "train/tokens_per_s", 100.0, t=10.0),
+        event(2, "train/tokens_per_s", 300.0, t=12.0),
+        event(2, "eval/accuracy", 0.5, process="evaluator", t=12.5),
+    ]
+    summary = summarize(events)
+    assert summary["steps"] == 2 and summary["elapsed_s"] == 2.5
+    assert summary["metrics"] == {"train/loss": 2.0, "train/tokens_per_s": 300.0, "eval/accuracy": 0.5}
+    assert summary["throughput"] == {"train/tokens_per_s": {"mean": 200.0, "last": 300.0}}
+
+
+def test_summary_printer_prints_a_table():
+    buffer = io.StringIO()
+    SummaryPrinter(Console(file=buffer, width=100)).close(summarize([event(3, "eval/accuracy", 0.9)]))
+    assert "eval/accuracy" in buffer.getvalue() and "0.9" in buffer.getvalue()
+
+
+def test_follower_reads_only_new_complete_lines(tmp_path):
+    recorder = Recorder()
+    follower = EventFollower(tmp_path, recorder)
+    assert follower.poll() == 0  # no file yet
+    with EventWriter(tmp_path / "events.jsonl", "trainer") as writer:
+        writer.log(1, {"train/loss": 1.0})
+        assert follower.poll() == 1
+        with open(tmp_path / "events.jsonl", "a") as fh:
+            fh.write('{"time": 1, "step": 2')  # a line being written
+        assert follower.poll() == 0
+    assert [e.value for e in recorder.events] == [1.0]
+
+
+def test_followed_run_writes_summary_and_closes_sinks(tmp_path):
+    recorder = Recorder()
+    with EventWriter(tmp_path / "events.jsonl", "trainer") as writer:
+        with FollowedRun(tmp_path, recorder, {"stage": "sft"}) as run:
+            writer.log(1, {"train/loss": 1.0, "train/tokens_per_s": 10.0})
+            run.poll()
+            writer.log(2, {"train/loss": 0.5, "eval/accuracy": 0.8})
+    assert recorder.started and [e.step for e in recorder.events] == [1, 1, 2, 2]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == recorder.summary
+    assert summary["metrics"]["eval/accuracy"] == 0.8 and summary["stage"] == "sft" and summary["completed"] is True
+
+
+def test_follow_events_until_stop(tmp_path):
+    with EventWriter(tmp_path / "events.jsonl", "trainer") as writer:
+        writer.log(1, {"train/loss": 1.0})
+    recorder, calls = Recorder(), iter([False, True])
+    summary = follow_events(tmp_path, recorder, stop_condition=lambda: next(calls), interval_s=0)
+    assert summary["metrics"] == {"train/loss": 1.0} and len(recorder.events) == 1
+
+
+def test_write_summary_without_events(tmp_path):
+    assert write_summary(tmp_path)["steps"] == 0
+    assert (tmp_path / "summary.json").exists()
