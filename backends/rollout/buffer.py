@@ -1,0 +1,404 @@
+"""Fully-async group buffer: a staleness bound, capacity returned by dropped groups, resumable state.
+
+Versions and batches. Policy version v is the weights after v training steps (v = 0: the initial
+weights). Training batch k (the k-th batch taken, from 0) is trained on version k, so a group whose
+generation was admitted at version ``sv`` has staleness ``k - sv`` when it is trained.
+
+Admission (capacity, as in SkyRL / AReaL): generation may start a group only while
+``consumed + buffered + running < (S + v + 1) * B`` (S = max_staleness, B = groups per batch,
+v = latest published version, consumed = B * batches taken). Dropped groups leave the count, so
+their capacity goes back to generation and a run with many zero-variance groups cannot deadlock.
+S = 0 is the synchronous schedule: B groups, train, B groups, ...
+
+Hard bound. The capacity rule alone bounds staleness only on average: a slow group admitted early
+can finish after newer groups were trained. So every group has a deadline ``sv + S`` (the last
+batch that may train it) and ``take`` serves groups earliest-deadline-first, and takes batch k only
+when, for every later batch index d, the groups still waiting (buffered or running) with deadline
+<= d fit into batches k+1..d. When a straggler is about to miss its deadline the trainer waits for
+it instead of training past it. Admission keeps this feasible, so no group is ever trained with
+staleness > S (the proof is the EDF argument; ``test_rollout_buffer`` checks it on random schedules).
+
+``StalenessController`` is the pure bookkeeping (deterministic, unit-testable); ``AsyncGroupBuffer``
+wraps it and a ``PromptSampler`` for the orchestrator's asyncio generation workers and trainer feed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .batch import Group, staleness
+
+# ------------------------------------------------------------------------------ prompt order
+
+
+@dataclass(frozen=True)
+class PromptRef:
+    epoch: int
+    index: int  # row index in the training rows
+
+    @property
+    def uid(self) -> str:
+        """Unique across epochs: the group key and the prefix of its router session ids."""
+        return f"{self.epoch}-{self.index}"
+
+    @staticmethod
+    def parse(uid: str) -> "PromptRef":
+        epoch, index = uid.split("-")
+        return PromptRef(int(epoch), int(index))
+
+
+class PromptSampler:
+    """Epoch-wise seeded permutations of the training rows; remembers which prompts are finished
+    (trained or dropped) so a resumed run neither retrains nor regenerates them, while prompts
+    that were in flight at the checkpoint are drawn again."""
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        if num_rows <= 0:
+            raise ValueError("no training rows to sample prompts from")
+        self.num_rows = num_rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.consumed_total = 0
+        self.dropped_total = 0
+        self._consumed: set[str] = set()
+        self._dropped: set[str] = set()
+        self._outstanding: dict[str, PromptRef] = {}
+        self._requeued: deque[PromptRef] = deque()
+        self._start_epoch(0)
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._pos = 0
+        self._order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+
+    def next(self) -> PromptRef:
+        if self._requeued:
+            ref = self._requeued.popleft()
+        else:
+            while True:
+                if self._pos >= self.num_rows:
+                    self._start_epoch(self.epoch + 1)
+                ref = PromptRef(self.epoch, self._order[self._pos])
+                self._pos += 1
+                if ref.uid not in self._consumed and ref.uid not in self._dropped and ref.uid not in self._outstanding:
+                    break
+        self._outstanding[ref.uid] = ref
+        return ref
+
+    def mark_consumed(self, uid: str) -> None:
+        self._outstanding.pop(uid, None)
+        self._consumed.add(uid)
+        self.consumed_total += 1
+
+    def mark_dropped(self, uid: str) -> None:
+        self._outstanding.pop(uid, None)
+        self._dropped.add(uid)
+        self.dropped_total += 1
+
+    def requeue(self, uid: str) -> None:
+        """A prompt whose generation failed: draw it again next."""
+        ref = self._outstanding.pop(uid, None) or PromptRef.parse(uid)
+        self._requeued.append(ref)
+
+    def state_dict(self, unconsumed: Iterable[str] = ()) -> dict[str, Any]:
+        """JSON-able state. ``unconsumed``: uids marked consumed that the checkpoint's model has not
+        trained on yet (prefetched batches); they are treated as in flight."""
+        pending = set(unconsumed)
+        open_refs = [*self._outstanding.values(), *self._requeued, *(PromptRef.parse(u) for u in pending)]
+        resume_epoch = min([self.epoch, *(r.epoch for r in open_refs)])
+        keep = lambda uids: sorted(u for u in uids if u not in pending and PromptRef.parse(u).epoch >= resume_epoch)  # noqa: E731
+        return {
+            "num_rows": self.num_rows,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": resume_epoch,
+            "consumed": keep(self._consumed),
+            "dropped": keep(self._dropped),
+            "consumed_total": self.consumed_total - len(pending & self._consumed),
+            "dropped_total": self.dropped_total,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "PromptSampler":
+        sampler = cls(int(state["num_rows"]), int(state["seed"]), bool(state.get("shuffle", True)))
+        sampler._start_epoch(int(state["epoch"]))
+        sampler._consumed = set(state["consumed"])
+        sampler._dropped = set(state["dropped"])
+        sampler.consumed_total = int(state.get("consumed_total", len(sampler._consumed)))
+        sampler.dropped_total = int(state.get("dropped_total", len(sampler._dropped)))
+        return sampler
+
+
+# ------------------------------------------------------------------------------ staleness bookkeeping
+
+
+class StalenessController:
+    """Admission, drop and earliest-deadline batch selection; no waiting, no locks."""
+
+    def __init__(self, batch_groups: int, max_staleness: int, version: int = 0, batches_taken: int | None = None):
+        if batch_groups <= 0 or max_staleness < 0:
+            raise ValueError("batch_groups must be > 0 and max_staleness >= 0")
+        self.B = batch_groups
+        self.S = max_staleness
+        self.version = version
+        self.batches_taken = version if batches_taken is None else batches_taken
+        self.dropped_total = 0
+        self._running: Counter[int] = Counter()  # start_version -> groups generating
+        self._ready: list[Group] = []
+
+    # -- generation side
+    @property
+    def running(self) -> int:
+        return sum(self._running.values())
+
+    @property
+    def buffered(self) -> int:
+        return len(self._ready)
+
+    @property
+    def capacity(self) -> int:
+        limit = (self.S + self.version + 1) * self.B
+        return limit - (self.batches_taken * self.B + self.buffered + self.running)
+
+    def start(self) -> int:
+        """Admit one group; returns its start version. Raises when there is no capacity."""
+        if self.capacity <= 0:
+            raise RuntimeError("no generation capacity (check capacity before start)")
+        self._running[self.version] += 1
+        return self.version
+
+    def _release(self, start_version: int) -> None:
+        if self._running[start_version] <= 0:
+            raise RuntimeError(f"no running group was admitted at version {start_version}")
+        self._running[start_version] -= 1
+        if not self._running[start_version]:
+            del self._running[start_version]
+
+    def finish(self, group: Group, keep: bool = True) -> None:
+        """A group finished generating; ``keep=False`` drops it (its capacity returns)."""
+        self._release(group.start_version)
+        if keep:
+            self._ready.append(group)
+        else:
+            self.dropped_total += 1
+
+    def abort(self, start_version: int) -> None:
+        """A group's generation failed: free its slot."""
+        self._release(start_version)
+
+    # -- trainer side
+    def _deadline(self, start_version: int) -> int:
+        return start_version + self.S
+
+    def _ordered_ready(self) -> list[Group]:
+        return sorted(self._ready, key=lambda g: g.start_version)  # stable: arrival order breaks ties
+
+    def _feasible_after(self, remaining_versions: list[int], next_batch: int) -> bool:
+        """Can groups with these start versions all be trained by their deadlines, in batches
+        next_batch, next_batch + 1, ...?"""
+        waiting = 0
+        for deadline in sorted(self._deadline(v) for v in remaining_versions):
+            waiting += 1
+            if waiting > (deadline - next_batch + 1) * self.B:
+                return False
+        return True
+
+    def batch_ready(self) -> bool:
+        if self.buffered < self.B:
+            return False
+        if not self.running:
+            return True  # everything is in hand: earliest deadlines first is the best there is
+        rest = self._ordered_ready()[self.B :]
+        remaining = [g.start_version for g in rest] + list(self._running.elements())
+        return self._feasible_after(remaining, self.batches_taken + 1)
+
+    def take(self) -> list[Group]:
+        """The next training batch (batch index ``batches_taken``), earliest deadlines first."""
+        if not self.batch_ready():
+            raise RuntimeError("batch not ready (check batch_ready before take)")
+        ordered = self._ordered_ready()
+        batch, self._ready = ordered[: self.B], ordered[self.B :]
+        self.batches_taken += 1
+        return batch
+
+    def take_partial(self) -> list[Group]:
+        """Whatever is buffered (at the end of the data), earliest deadlines first."""
+        batch, self._ready = self._ordered_ready(), []
+        if batch:
+            self.batches_taken += 1
+        return batch
+
+    def publish(self, version: int) -> None:
+        """The trainer published new weights."""
+        if version < self.version:
+            raise ValueError(f"policy version went back from {self.version} to {version}")
+        self.version = version
+
+
+# ------------------------------------------------------------------------------ asyncio buffer
+
+
+@dataclass
+class TakenBatch:
+    step: int  # batch index = the policy version it is trained on
+    groups: list[Group]
+    staleness_mean: float
+    staleness_max: int
+    dropped_since_last: int  # zero-variance groups dropped since the previous batch
+    wait_s: float  # time the trainer waited for this batch
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "async/staleness_mean": self.staleness_mean,
+            "async/staleness_max": float(self.staleness_max),
+            "async/dropped_groups": float(self.dropped_since_last),
+            "timing/wait_for_generation_buffer_s": self.wait_s,
+        }
+
+
+class AsyncGroupBuffer:
+    """The orchestrator's meeting point of generation workers and the trainer feed (one event loop).
+
+    generation worker::
+
+        while (slot := await buffer.start_group()) is not None:
+            ref, version = slot                      # the prompt to roll out, the admitting version
+            try:
+                group = await generate(ref, version)  # Group(ref.uid, samples, start_version=version)
+            except Exception:
+                await buffer.abort_group(ref, version); continue
+            await buffer.finish_group(group)
+
+    trainer feed::
+
+        batch = await buffer.take_batch()            # waits; None once closed and drained
+        ... train on batch.groups (step batch.step) ...
+        await buffer.publish_version(batch.step + 1)
+        state = buffer.state_dict()                  # JSON, into the checkpoint
+    """
+
+    def __init__(
+        self,
+        sampler: PromptSampler,
+        batch_groups: int,
+        max_staleness: int,
+        *,
+        drop_zero_variance: bool = False,
+        version: int = 0,
+    ):
+        self.sampler = sampler
+        self.controller = StalenessController(batch_groups, max_staleness, version=version)
+        self.drop_zero_variance = drop_zero_variance
+        self._cond = asyncio.Condition()
+        self._closed = False
+        self._dropped_since_last = 0
+        self._taken_uids: dict[int, list[str]] = {}
+        self.generation_blocked_s = 0.0  # time generation waited for capacity (staleness bound)
+
+    # -- generation side
+    async def start_group(self) -> tuple[PromptRef, int] | None:
+        async with self._cond:
+            began = time.monotonic()
+            await self._cond.wait_for(lambda: self._closed or self.controller.capacity > 0)
+            self.generation_blocked_s += time.monotonic() - began
+            if self._closed:
+                return None
+            return self.sampler.next(), self.controller.start()
+
+    async def finish_group(self, group: Group) -> bool:
+        """Returns False when the group was dropped (all rewards equal, dynamic sampling on)."""
+        async with self._cond:
+            keep = not (self.drop_zero_variance and group.all_rewards_equal())
+            self.controller.finish(group, keep=keep)
+            if not keep:
+                self.sampler.mark_dropped(group.prompt_uid)
+                self._dropped_since_last += 1
+            self._cond.notify_all()
+            return keep
+
+    async def abort_group(self, ref: PromptRef, start_version: int) -> None:
+        async with self._cond:
+            self.controller.abort(start_version)
+            self.sampler.requeue(ref.uid)
+            self._cond.notify_all()
+
+    # -- trainer side
+    async def take_batch(self) -> TakenBatch | None:
+        async with self._cond:
+            began = time.monotonic()
+            await self._cond.wait_for(lambda: self._closed or self.controller.batch_ready())
+            step = self.controller.batches_taken
+            if self.controller.batch_ready():
+                groups = self.controller.take()
+            else:  # closed: train on what is left, if anything
+                groups = self.controller.take_partial()
+                if not groups:
+                    return None
+            for g in groups:
+                self.sampler.mark_consumed(g.prompt_uid)
+            self._taken_uids[step] = [g.prompt_uid for g in groups]
+            for old in [k for k in self._taken_uids if k < step - 2 * (self.controller.S + 2)]:
+                del self._taken_uids[old]
+            mean, worst = staleness(groups, step)
+            dropped, self._dropped_since_last = self._dropped_since_last, 0
+            self._cond.notify_all()  # taking frees capacity
+            return TakenBatch(step, groups, mean, worst, dropped, time.monotonic() - began)
+
+    async def publish_version(self, version: int) -> None:
+        async with self._cond:
+            self.controller.publish(version)
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        """Stop admitting and wake every waiter: ``start_group`` returns None, ``take_batch``
+        returns what is left (then None)."""
+        async with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def fill(self) -> dict[str, float]:
+        c = self.controller
+        return {
+            "async/buffer_groups": float(c.buffered),
+            "async/running_groups": float(c.running),
+            "async/capacity": float(max(c.capacity, 0)),
+            "async/generation_blocked_s": self.generation_blocked_s,
+        }
+
+    # -- checkpoint
+    def state_dict(self, trained_batches: int | None = None) -> dict[str, Any]:
+        """JSON-able state for a checkpoint whose model has trained ``trained_batches`` batches
+        (default: every batch taken). Groups buffered or in flight are not saved: their prompts
+        are drawn again after a resume; dropped prompts are not."""
+        c = self.controller
+        trained = c.batches_taken if trained_batches is None else trained_batches
+        pending = [u for k, uids in self._taken_uids.items() if k >= trained for u in uids]
+        return {
+            "version": trained,
+            "batch_groups": c.B,
+            "max_staleness": c.S,
+            "dropped_groups": c.dropped_total,
+            "sampler": self.sampler.state_dict(unconsumed=pending),
+        }
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, Any], batch_groups: int, max_staleness: int, *, drop_zero_variance: bool = False
+    ) -> "AsyncGroupBuffer":
+        """Resume (batch size and staleness come from the current recipe; they may change)."""
+        buffer = cls(
+            PromptSampler.from_state(state["sampler"]),
+            batch_groups,
+            max_staleness,
+            drop_zero_variance=drop_zero_variance,
+            version=int(state["version"]),
+        )
+        buffer.controller.dropped_total = int(state.get("dropped_groups", 0))
+        return buffer

@@ -1,0 +1,104 @@
+"""Advantage estimators over groups of outcome rewards (one scalar reward per sample).
+
+Every estimator returns per-token advantages ``[N, T]`` that are zero outside the response mask:
+GRPO and RLOO compute one scalar per sample from its group and broadcast it; REINFORCE++ whitens
+the per-token returns over the whole batch (so it needs the mask to weight samples by length).
+
+Conventions (as in SkyRL / verl, so figures compare):
+- GRPO std is the unbiased group std; a zero-variance group gives exactly zero advantages.
+- A group of one sample gets zero advantage (no baseline exists) under GRPO and RLOO.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from skyrl_cli.recipe.schema import AdvantageConfig
+
+
+def group_index(group_ids: Sequence[Hashable]) -> torch.Tensor:
+    """Map arbitrary group keys (e.g. prompt uids) to dense indices 0..G-1, in first-seen order."""
+    dense: dict[Hashable, int] = {}
+    return torch.tensor([dense.setdefault(key, len(dense)) for key in group_ids], dtype=torch.long)
+
+
+def _group_stats(rewards: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group size, group mean, unbiased group std), gathered back to the samples.
+
+    A group whose rewards are all equal gets std 0 and a mean equal to that reward exactly (a
+    float mean of equal values can be off by one ulp, which std-normalisation would blow up)."""
+    num_groups = int(index.max()) + 1 if index.numel() else 0
+    ones = torch.ones_like(rewards)
+    size = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, index, ones)
+    total = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, index, rewards)
+    mean = total / size
+    centred = rewards - mean[index]
+    sq = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, index, centred * centred)
+    var = sq / (size - 1).clamp(min=1)
+    high = torch.full((num_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, index, rewards, "amax")
+    low = torch.full((num_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, index, rewards, "amin")
+    constant = high == low
+    mean = torch.where(constant, high, mean)
+    std = torch.where(constant, torch.zeros_like(var), var.sqrt())
+    return size[index], mean[index], std[index]
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, index: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO: ``r - mean(group)``, divided by ``std(group) + eps`` when ``std_normalize``. Shape [N]."""
+    rewards = rewards.to(torch.float32)
+    size, mean, std = _group_stats(rewards, index)
+    adv = rewards - mean
+    if std_normalize:
+        # a zero-variance group has adv == 0 exactly; keep it 0 even with eps = 0 (no 0/0)
+        adv = torch.where(std > 0, adv / (std + eps), torch.zeros_like(adv))
+    return torch.where(size > 1, adv, torch.zeros_like(adv))
+
+
+def rloo_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """RLOO: ``r_i - mean of the other samples in the group`` = ``n/(n-1) * (r_i - mean)``. Shape [N]."""
+    rewards = rewards.to(torch.float32)
+    size, mean, _ = _group_stats(rewards, index)
+    adv = (rewards - mean) * size / (size - 1).clamp(min=1)
+    return torch.where(size > 1, adv, torch.zeros_like(adv))
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ (outcome reward, gamma = 1): every response token's return is the sample's reward;
+    returns are whitened over all response tokens of the batch (token-weighted mean, unbiased
+    variance), then masked. Shape [N, T]."""
+    mask = response_mask.to(torch.float32)
+    returns = rewards.to(torch.float32)[:, None] * mask
+    n_tokens = mask.sum()
+    if n_tokens < 2:
+        return torch.zeros_like(mask)
+    mean = returns.sum() / n_tokens
+    var = (((returns - mean) * mask) ** 2).sum() / (n_tokens - 1)
+    return (returns - mean) * torch.rsqrt(var + eps) * mask
+
+
+def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-sample advantages [N] -> per-token [N, T], zero outside the mask."""
+    return advantages.to(torch.float32)[:, None] * response_mask.to(torch.float32)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: Sequence[Hashable] | torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AdvantageConfig,
+) -> torch.Tensor:
+    """The recipe's estimator (``rl.advantage``): rewards [N], group keys [N], mask [N, T] -> [N, T]."""
+    index = group_ids if isinstance(group_ids, torch.Tensor) else group_index(group_ids)
+    if config.kind == "grpo":
+        per_sample = grpo_advantages(rewards, index, std_normalize=config.std_normalize)
+    elif config.kind == "rloo":
+        per_sample = rloo_advantages(rewards, index)
+    elif config.kind == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, response_mask)
+    else:  # the schema's Literal makes this unreachable; kept for custom callers
+        raise ValueError(f"unknown advantage estimator {config.kind!r}")
+    return broadcast_to_tokens(per_sample, response_mask)
