@@ -26,7 +26,12 @@ from skyrl_cli.recipe.schema import Recipe
 
 RUNS_ROOT = Path("runs")
 # Files whose presence means a run already happened in a directory.
-_RUN_MARKERS = ("events.jsonl", "checkpoints", "final", "summary.json")
+# What a previous run leaves behind (deleted by --overwrite). The RL stage's exchange folders
+# (batches, weights, control) and orchestrator state are included.
+_RUN_MARKERS = (
+    "events.jsonl", "checkpoints", "final", "summary.json",
+    "batches", "weights", "control", "orchestrator_state", "eval_initial.json",
+)  # fmt: skip
 
 
 def default_run_dir(recipe: Recipe, stage: str, root: Path = RUNS_ROOT) -> Path:

@@ -301,6 +301,7 @@ class AsyncGroupBuffer:
         self._dropped_since_last = 0
         self._taken_uids: dict[int, list[str]] = {}
         self.generation_blocked_s = 0.0  # time generation waited for capacity (staleness bound)
+        self.last_batch_partial = False  # the last batch was cut short (closed, or the drop bound)
 
     # -- generation side
     async def start_group(self) -> tuple[PromptRef, int] | None:
@@ -330,11 +331,22 @@ class AsyncGroupBuffer:
             self._cond.notify_all()
 
     # -- trainer side
-    async def take_batch(self) -> TakenBatch | None:
+    async def take_batch(self, *, partial_after_drops: int | None = None) -> TakenBatch | None:
+        """The next batch (waits). ``partial_after_drops``: the bound of sync dynamic sampling:
+        once more groups than this were dropped since the last batch, take what is buffered."""
+
+        def bound_hit() -> bool:
+            return (
+                partial_after_drops is not None
+                and self._dropped_since_last > partial_after_drops
+                and self.controller.buffered > 0
+            )
+
         async with self._cond:
             began = time.monotonic()
-            await self._cond.wait_for(lambda: self._closed or self.controller.batch_ready())
+            await self._cond.wait_for(lambda: self._closed or self.controller.batch_ready() or bound_hit())
             step = self.controller.batches_taken
+            self.last_batch_partial = not self.controller.batch_ready()
             if self.controller.batch_ready():
                 groups = self.controller.take()
             else:  # closed: train on what is left, if anything

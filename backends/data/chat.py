@@ -1,0 +1,101 @@
+"""Chat rows -> token ids and loss masks, through the tokenizer's own chat template.
+
+``encode_prompt`` is the ONE function that turns prompt messages into token ids: SFT evaluation and
+the RL stage both call it, so a task's prompt is byte-identical everywhere. ``encode_conversation``
+renders the same template for training rows, so the trained tokens line up with what generation sees.
+
+Loss masks come from character spans: each assistant turn is the text between the rendering of the
+conversation before it (with the generation prompt) and the rendering including it; a token is a
+target when its first character falls in such a span. This works with any template whose renderings
+of prefixes are string prefixes of the whole conversation, which is true of common templates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+Messages = Sequence[dict]
+LossOn = Literal["assistant", "last_assistant", "all"]
+
+
+def render(tokenizer, messages: Messages, add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode_prompt(tokenizer, messages: Messages) -> list[int]:
+    """Token ids of a prompt, ending with the assistant's generation prompt."""
+    text = render(tokenizer, messages, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training sequence: ``loss_mask[k] == 1`` when token k is a target of the loss."""
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def assistant_spans(tokenizer, messages: Messages, loss_on: LossOn) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans that carry loss."""
+    full = render(tokenizer, messages)
+    if loss_on == "all":
+        return full, [(0, len(full))]
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = render(tokenizer, messages[: i + 1])
+        if not (full.startswith(before) and full.startswith(through)):
+            raise ValueError(
+                "the chat template renders a conversation prefix differently from the whole conversation; "
+                "use data.loss_on = \"all\" or a template without history rewriting"
+            )
+        spans.append((len(before), len(through)))
+    if loss_on == "last_assistant":
+        spans = spans[-1:]
+    return full, spans
+
+
+def encode_conversation(tokenizer, messages: Messages, loss_on: LossOn = "assistant", max_length: int | None = None) -> Example:
+    """Token ids of a whole conversation and its loss mask, truncated to ``max_length`` tokens."""
+    text, spans = assistant_spans(tokenizer, messages, loss_on)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
+    if ids:
+        mask[0] = 0  # the first token has no prediction
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return Example(tuple(ids), tuple(mask))
+
+
+def to_messages(row: dict, fmt: Literal["auto", "messages", "prompt_completion"] = "auto") -> list[dict]:
+    """A row in ``messages`` form or ``prompt``/``completion`` form (strings or message lists)."""
+    if fmt == "messages" or (fmt == "auto" and "messages" in row):
+        if "messages" not in row:
+            raise ValueError("row has no 'messages' field")
+        return [dict(m) for m in row["messages"]]
+    if "prompt" not in row or "completion" not in row:
+        raise ValueError("row needs 'messages', or 'prompt' and 'completion'")
+    prompt, completion = row["prompt"], row["completion"]
+    head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else [dict(m) for m in completion]
+    return head + tail
+
+
+def split_reference(messages: Messages) -> tuple[list[dict], str]:
+    """(prompt messages, reference answer): everything before the last assistant turn, and its text."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "assistant":
+            return list(messages[:i]), str(messages[i].get("content", ""))
+    raise ValueError("conversation has no assistant message")

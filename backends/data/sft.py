@@ -1,0 +1,113 @@
+"""SFT data from the recipe's ``[data]`` table: tokenized training sequences, a held-out split for
+eval loss and accuracy, and the data order.
+
+The data order is a pure function of ``(seed, step)``: the training stream is the concatenation of
+per-epoch permutations seeded by ``(seed, epoch)``, and step ``s`` takes positions
+``[s * B, (s + 1) * B)`` of it. Resuming at step ``s`` therefore needs nothing but ``s``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+from backends.data.chat import Example, encode_conversation, encode_prompt, split_reference, to_messages
+from backends.data.files import load_rows
+from backends.data.tasks import Task, exact_match, get_task
+from skyrl_cli.recipe.schema import DataConfig
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """A held-out prompt for accuracy: its token ids, the reference answer, and the source row."""
+
+    prompt_ids: tuple[int, ...]
+    reference: str
+    row: dict = field(hash=False, compare=False)
+
+
+@dataclass
+class SourceRows:
+    """Rows before tokenization: chat messages for training and evaluation, plus the task if built-in."""
+
+    train: list[list[dict]]
+    eval: list[list[dict]]
+    task: Task | None
+    task_rows: list[dict] | None = None  # eval rows of a built-in task (for its reward)
+
+    def alphabet(self) -> str:
+        """The characters a character tokenizer needs."""
+        if self.task is not None:
+            return self.task.alphabet
+        chars: set[str] = set()
+        for conv in (*self.train, *self.eval):
+            for message in conv:
+                chars.update(str(message.get("content", "")))
+        return "".join(sorted(chars))
+
+
+@dataclass
+class SftData:
+    train: list[Example]
+    eval: list[Example]
+    eval_items: list[EvalItem]
+    max_new_tokens: int
+    scorer: Callable[[str, EvalItem], float]
+    dropped: int = 0  # training rows without any loss token after truncation
+
+
+def load_source(data: DataConfig, seed: int) -> SourceRows:
+    if data.task is not None:
+        task = get_task(data.task, data.digits)
+        train = task.make_rows(seed, data.train_size, "train")
+        evals = task.make_rows(seed, data.eval_size, "eval")
+        as_chat = lambda row: task.prompt(row) + [{"role": "assistant", "content": row["answer"]}]  # noqa: E731
+        return SourceRows([as_chat(r) for r in train], [as_chat(r) for r in evals], task, evals)
+    train = [to_messages(r, data.format) for r in load_rows(data.train)]
+    if data.eval is not None:
+        evals = [to_messages(r, data.format) for r in load_rows(data.eval, limit=data.eval_size)]
+    else:  # hold out a seeded subset of the training rows (at most 10%)
+        k = min(data.eval_size, len(train) // 10)
+        held = set(random.Random(f"{seed}:heldout").sample(range(len(train)), k))
+        evals = [c for i, c in enumerate(train) if i in held]
+        train = [c for i, c in enumerate(train) if i not in held]
+    if not train:
+        raise ValueError(f"no training rows in {data.train}")
+    return SourceRows(train, evals, None)
+
+
+def build_sft_data(source: SourceRows, tokenizer, data: DataConfig) -> SftData:
+    encode = lambda conv: encode_conversation(tokenizer, conv, data.loss_on, data.max_length)  # noqa: E731
+    train = [encode(conv) for conv in source.train]
+    kept = [ex for ex in train if ex.loss_tokens > 0]
+    evals = [ex for ex in (encode(conv) for conv in source.eval) if ex.loss_tokens > 0]
+    items = []
+    for i, conv in enumerate(source.eval):
+        prompt, reference = split_reference(conv)
+        row = source.task_rows[i] if source.task_rows is not None else {"answer": reference}
+        items.append(EvalItem(tuple(encode_prompt(tokenizer, prompt)), reference, row))
+    longest = max((len(tokenizer(it.reference, add_special_tokens=False)["input_ids"]) for it in items), default=1)
+    task = source.task
+    if task is not None:
+        scorer = lambda response, item: task.reward(response, item.row)  # noqa: E731
+    else:
+        scorer = lambda response, item: exact_match(response, item.reference)  # noqa: E731
+    return SftData(kept, evals, items, max_new_tokens=longest + 2, scorer=scorer, dropped=len(train) - len(kept))
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(f"{seed}:order:{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def batch_indices(seed: int, step: int, batch_size: int, n: int) -> list[int]:
+    """Indices (into the training examples) of the global batch of optimizer step ``step``."""
+    out = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(position, n)
+        out.append(_epoch_order(seed, epoch, n)[offset])
+    return out

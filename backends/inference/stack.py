@@ -1,0 +1,78 @@
+"""Bring up the inference side of a run under a supervisor: engines, then the router, then the
+recovery loop and the metrics scraper.
+
+The caller passes the ProcessSpecs built by ``skyrl_cli.plan.inference`` (``engine_specs``,
+``router_spec``) and a ``skyrl_cli.launch.supervisor.Supervisor`` (duck-typed: backends do not
+import the launch layer)::
+
+    with Supervisor(run_dir) as sup:
+        stack = launch_inference(sup, engines, router, engine_urls, router_url, run_dir, writer=writer)
+        try:
+            ...  # rollouts through stack.router_url, admin calls to stack.engine_urls
+        finally:
+            stack.stop()
+
+Engines start together (each loads its own copy; on CPU each is pinned to its own core), are
+labelled with the current weights (version "0", or what ``weights/current.json`` records when a run
+resumes), and only then does the router start, so it never sees an unready worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from backends.inference.metrics import MetricsScraper
+from backends.inference.recovery import EngineRecovery
+from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
+from skyrl_cli.metrics.events import EventWriter
+
+
+@dataclass
+class InferenceStack:
+    engine_names: list[str]
+    engine_urls: list[str]  # local engines, then remote ones
+    router_url: str
+    recovery: EngineRecovery | None = None
+    scraper: MetricsScraper | None = None
+    extra: dict = field(default_factory=dict)
+
+    def stop(self) -> None:
+        if self.scraper is not None:
+            self.scraper.stop()
+        if self.recovery is not None:
+            self.recovery.stop(timeout_s=5.0)
+
+
+def launch_inference(
+    supervisor,
+    engine_specs: Sequence,
+    router_spec,
+    engine_urls: Sequence[str],
+    router_url: str,
+    run_dir: str | os.PathLike,
+    *,
+    writer: EventWriter | None = None,
+    step_fn: Callable[[], int] = lambda: 0,
+    recover: bool = True,
+    metrics_period_s: float | None = 5.0,
+) -> InferenceStack:
+    """``engine_urls``: one per engine spec (same order), then any remote engines."""
+    names = [spec.name for spec in engine_specs]
+    for spec in engine_specs:
+        supervisor.start(spec)
+    supervisor.wait_ready(names)
+    run_blocking(bring_up_to_date(list(engine_urls), read_current_weights(run_dir)))
+    supervisor.start(router_spec)
+    supervisor.wait_ready([router_spec.name])
+    stack = InferenceStack(names, list(engine_urls), router_url.rstrip("/"))
+    if recover:
+        local = dict(zip(names, engine_urls))
+        remote = list(engine_urls[len(names) :])
+        stack.recovery = EngineRecovery(
+            supervisor, local, router_url, run_dir, remote_urls=remote, writer=writer, step_fn=step_fn
+        ).start()
+    if writer is not None and metrics_period_s:
+        stack.scraper = MetricsScraper(engine_urls, writer, router_url, metrics_period_s, step_fn).start()
+    return stack

@@ -1,0 +1,80 @@
+"""The policy model and its tokenizer, from the recipe's ``[model]`` table, and HF-format saving.
+
+Two sources: ``model.path`` (any local HF causal LM) or ``model.init`` (a tiny random-init Llama
+with a character tokenizer built for the data). Either way the result saves as a real HF model
+directory (``config.json``, ``model.safetensors``, tokenizer files) that transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from skyrl_cli.recipe.schema import ModelConfig
+
+
+def load_tokenizer_for(model_cfg: ModelConfig, alphabet: str | None = None):
+    """``"char"``: built from ``alphabet``; ``"auto"``: the model's own; else a local tokenizer path."""
+    from backends.models.tokenizer import build_char_tokenizer, load_tokenizer
+
+    if model_cfg.tokenizer == "char":
+        if not alphabet:
+            raise ValueError('model.tokenizer = "char" needs the data\'s alphabet')
+        return build_char_tokenizer(alphabet)
+    if model_cfg.tokenizer == "auto":
+        if model_cfg.path is None:
+            raise ValueError('a new tiny model (model.init) needs model.tokenizer = "char" or a tokenizer path')
+        return load_tokenizer(model_cfg.path)
+    return load_tokenizer(model_cfg.tokenizer)
+
+
+def torch_dtype(model_cfg: ModelConfig, device: str):
+    """The dtype the trainer keeps the module in: bf16 on GPUs by default, fp32 on CPU."""
+    import torch
+
+    if model_cfg.dtype == "bfloat16" or (model_cfg.dtype == "auto" and device == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(model_cfg: ModelConfig, tokenizer, seed: int, attn_implementation: str = "sdpa"):
+    """The policy model in fp32 (DeepSpeed casts it for bf16 training). LoRA is applied separately
+    (``backends.models.lora.apply_lora``)."""
+    import torch
+
+    if model_cfg.init is not None:
+        from backends.models.tiny import build_tiny_llama
+
+        model = build_tiny_llama(model_cfg.init, tokenizer, seed)
+        model.config._attn_implementation = attn_implementation
+        return model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_cfg.path, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    return model
+
+
+def save_hf(model, tokenizer, out_dir: str | os.PathLike, state_dict=None) -> Path:
+    """Write an HF model directory (safetensors) with the tokenizer; ``state_dict`` overrides the
+    module's own tensors (ZeRO-3 gathered or LoRA-merged weights)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def load_hf(path: str | os.PathLike, dtype=None):
+    """A saved model directory back as ``(model, tokenizer)`` (eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,69 @@
+"""Tokenizers: a character-level tokenizer built locally for the tiny model, or a model's own.
+
+The character tokenizer is a ``tokenizers`` BPE model without merges (so every character of the
+alphabet is one token) wrapped as a ``PreTrainedTokenizerFast`` with a chat template, so it saves
+and loads like any HF tokenizer (transformers and vLLM read the same files).
+
+Chat format of the char template (one token per marker)::
+
+    <bos><|user|>007+123=<|assistant|>130<eos>
+
+The assistant turn ends with ``<eos>``: that is where greedy generation stops.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+ROLE_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_MARKERS)
+
+CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_char_tokenizer(alphabet: Iterable[str]):
+    """A ``PreTrainedTokenizerFast`` with one token per character of ``alphabet`` plus the special
+    tokens (ids 0..6: pad, bos, eos, unk, system, user, assistant markers)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(alphabet) - {""})
+    if any(len(c) != 1 for c in chars):
+        raise ValueError("a character alphabet holds single characters")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()  # join characters without separators
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_MARKERS),
+        chat_template=CHAR_CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
+    return tokenizer
+
+
+def load_tokenizer(path: str):
+    """A local HF tokenizer; a missing pad token falls back to eos (needed for batched generation)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        raise ValueError(f"tokenizer at {path} has no chat template; skyrl formats every row as a chat")
+    return tokenizer

@@ -1,0 +1,324 @@
+"""The RL orchestrator process: rollouts through the router, rewards, batches, weight sync, eval.
+
+``python -m backends.rollout.orchestrator --run-dir DIR --init-from MODEL --router-url URL
+--engine-urls URL,URL [--async] [--resume]``
+
+One code path for sync and fully-async RL: generation workers draw prompts from an
+``AsyncGroupBuffer`` whose staleness bound is ``rl.async.max_staleness`` with ``--async`` and 0
+without it (0 is the synchronous schedule: B groups, train, sync, B groups, ...). The trainer feed
+takes batches from the buffer and writes them to ``batches/step-<k>.json`` for the learner. A weight
+watcher waits for each version the learner publishes (``weights/v<k>``), pushes it to every engine
+(pause in ``keep`` mode, reload, label, resume: in-flight trajectories continue under the new
+weights and record both versions), then opens the buffer to that version, and evaluates on the
+held-out split by greedy decoding through the engines when an evaluation is due.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from skyrl_cli.metrics.events import EventWriter
+from skyrl_cli.recipe.schema import Recipe
+
+PROCESS_NAME = "orchestrator"
+STATE_DIR = "orchestrator_state"
+log = logging.getLogger("skyrl.orchestrator")
+
+
+def load_rows(recipe: Recipe) -> tuple[list[dict], list[dict]]:
+    """Training and held-out rows for the environment (built-in task rows or file rows)."""
+    data = recipe.data
+    if data.task is not None:
+        from backends.data.tasks import get_task
+
+        task = get_task(data.task, data.digits)
+        return task.make_rows(recipe.seed, data.train_size, "train"), task.make_rows(recipe.seed, data.eval_size, "eval")
+    from backends.data.files import load_rows as read_rows
+
+    train = read_rows(data.train)
+    evals = read_rows(data.eval, limit=data.eval_size) if data.eval else train[: min(data.eval_size, len(train) // 10)]
+    return train, evals
+
+
+def encode_observation(tokenizer, messages) -> list[int]:
+    """Tokens of an environment observation appended between turns, ending with the assistant's
+    generation prompt: the chat-templated messages without the template's leading BOS."""
+    from backends.data.chat import encode_prompt
+
+    ids = encode_prompt(tokenizer, messages)
+    if tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]:
+        ids = ids[1:]
+    return ids
+
+
+class Orchestrator:
+    def __init__(self, args: argparse.Namespace):
+        from backends.models.tokenizer import load_tokenizer
+        from backends.rollout.environments import environment_factory
+        from backends.rollout.rewards import GuardedCaller
+
+        self.run_dir: Path = args.run_dir.resolve()
+        self.recipe = Recipe.model_validate_json((self.run_dir / "recipe.resolved.json").read_text())
+        self.rl = self.recipe.rl
+        self.async_mode = bool(args.async_mode)
+        self.staleness = self.rl.async_.max_staleness if self.async_mode else 0
+        self.router_url = args.router_url
+        self.engine_urls = [u for u in args.engine_urls.split(",") if u]
+        self.resume = args.resume
+        self.tokenizer = load_tokenizer(str(args.init_from))
+        self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
+        self.make_env = environment_factory(self.recipe)
+        self.caller = GuardedCaller(self.rl.reward_timeout_s)
+        self.train_rows, self.eval_rows = load_rows(self.recipe)
+        self.events = EventWriter(self.run_dir / "events.jsonl", PROCESS_NAME)
+        self.version = 0
+        self.errors = 0
+        self.window_tokens = 0
+        self.window_started = time.perf_counter()
+
+    # ------------------------------------------------------------------------------ rollouts
+    async def rollout(self, client, row: Mapping[str, Any], session_id: str, temperature: float):
+        """One trajectory: (session, episode). The session's router pin is always released."""
+        from backends.rollout.environments import run_episode
+        from backends.rollout.session import RolloutSession
+        from backends.data.chat import encode_prompt
+
+        session: RolloutSession | None = None
+
+        async def generate(new_messages, turn: int) -> str:
+            nonlocal session
+            if turn == 0:
+                session = RolloutSession(client, encode_prompt(self.tokenizer, new_messages), session_id)
+            else:
+                session.add_observation(encode_observation(self.tokenizer, new_messages))
+            completion = await session.generate(
+                max_tokens=self.rl.max_new_tokens, temperature=temperature, stop_token_ids=self.stop_ids
+            )
+            return "" if completion is None else self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+        try:
+            episode = await run_episode(self.make_env, row, generate, self.caller, self.rl.max_turns)
+        finally:
+            if session is not None:
+                await session.finish()
+        return session, episode
+
+    async def generate_group(self, client, ref, start_version: int):
+        from backends.rollout.batch import Group, Sample
+
+        row = self.train_rows[ref.index]
+        results = await asyncio.gather(
+            *(self.rollout(client, row, f"{ref.uid}_{i}", self.rl.temperature) for i in range(self.rl.samples_per_prompt))
+        )
+        samples = []
+        for i, (session, episode) in enumerate(results):
+            if episode.error:
+                self.errors += 1
+                log.warning("sample %s_%d: %s", ref.uid, i, episode.error)
+            samples.append(
+                Sample(
+                    prompt_uid=ref.uid,
+                    index=i,
+                    prompt_ids=session.prompt_ids if session else [],
+                    response_ids=session.response_ids if session else [],
+                    loss_mask=session.loss_mask if session else [],
+                    rollout_logprobs=session.rollout_logprobs if session else [],
+                    reward=episode.reward,
+                    policy_versions=(session.policy_versions if session else ()) or (start_version,),
+                    num_turns=episode.turns,
+                    finish_reason=session.finish_reason if session else "error",
+                    error=episode.error,
+                )
+            )
+            self.window_tokens += len(samples[-1].response_ids)
+        return Group(ref.uid, samples, start_version)
+
+    async def worker(self, client, buffer) -> None:
+        from backends.rollout.client import RolloutError
+
+        while (slot := await buffer.start_group()) is not None:
+            ref, version = slot
+            try:
+                group = await self.generate_group(client, ref, version)
+            except RolloutError as err:
+                log.warning("group %s failed, drawn again later: %s", ref.uid, err)
+                await buffer.abort_group(ref, version)
+                await asyncio.sleep(1.0)
+                continue
+            await buffer.finish_group(group)
+
+    # ------------------------------------------------------------------------------ evaluation
+    async def evaluate(self, client, version: int) -> float:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(self.rollout(client, row, f"eval-v{version}-{i}", 0.0) for i, row in enumerate(self.eval_rows))
+        )
+        accuracy = sum(ep.reward for _, ep in results) / max(1, len(results))
+        metrics = {"eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0}
+        if version == 0 or not (self.run_dir / "eval_initial.json").exists():
+            metrics["eval/accuracy_initial"] = accuracy
+            (self.run_dir / "eval_initial.json").write_text(json.dumps({"version": version, "accuracy": accuracy}))
+        self.events.log(version, metrics)
+        print(f"eval at version {version}: accuracy {accuracy:.4f} ({len(results)} prompts)", flush=True)
+        return accuracy
+
+    def eval_due(self, version: int) -> bool:
+        every = self.rl.eval_every
+        return version == self.start or version == self.rl.steps or bool(every and version % every == 0)
+
+    # ------------------------------------------------------------------------------ weights
+    async def watch_weights(self, client, buffer, exchange) -> None:
+        """Push every version the learner publishes to the engines, then admit generation on it."""
+        from backends.inference.weight_sync import record_current_weights, sync_weights, CurrentWeights
+
+        while self.version < self.rl.steps:
+            latest = exchange.latest_version()
+            if latest is None or latest <= self.version:
+                if exchange.stop_reason():
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            t0 = time.perf_counter()
+            weights_dir = exchange.weights_dir(latest)
+            await sync_weights(
+                self.engine_urls, weights_dir, latest, reset_prefix_cache=self.recipe.rl.async_.reset_prefix_cache
+            )
+            record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(latest)))
+            self.version = latest
+            self.events.log(latest, {"timing/sync_weights_s": time.perf_counter() - t0})
+            if self.eval_due(latest):
+                await self.evaluate(client, latest)
+            self.save_state(buffer, latest)
+            await buffer.publish_version(latest)
+
+    def save_state(self, buffer, version: int) -> None:
+        """Buffer state for a checkpoint the learner writes at the same version."""
+        every = self.rl.save_every
+        if not ((every and version % every == 0) or version == self.rl.steps):
+            return
+        from backends.exchange import atomic_write_text
+
+        atomic_write_text(self.run_dir / STATE_DIR / f"step-{version}.json", json.dumps(buffer.state_dict(trained_batches=version)))
+
+    def restore_buffer(self):
+        from backends.rollout.buffer import AsyncGroupBuffer, PromptSampler
+
+        drop = self.rl.dynamic_sampling.enabled
+        batch = self.rl.prompts_per_step
+        state_file = self.run_dir / STATE_DIR / f"step-{self.start}.json"
+        if self.start > 0 and state_file.exists():
+            return AsyncGroupBuffer.from_state(json.loads(state_file.read_text()), batch, self.staleness, drop_zero_variance=drop)
+        sampler = PromptSampler(len(self.train_rows), self.recipe.seed)
+        return AsyncGroupBuffer(sampler, batch, self.staleness, drop_zero_variance=drop, version=self.start)
+
+    # ------------------------------------------------------------------------------ the loop
+    async def feed_trainer(self, buffer, exchange) -> None:
+        from backends.rollout.batch import flatten
+
+        rl = self.rl
+        for step in range(self.start, rl.steps):
+            t0 = time.perf_counter()
+            taken = await self.take_batch(buffer)
+            if taken is None:
+                return
+            samples = flatten(taken.groups)
+            exchange.write_batch(step, {"step": step, "samples": [s.to_dict() for s in samples]})
+            elapsed = time.perf_counter() - self.window_started
+            rewards = [s.reward for s in samples]
+            metrics = {
+                **taken.metrics(),
+                **buffer.fill(),
+                "rollout/tokens_per_s": self.window_tokens / max(elapsed, 1e-9),
+                "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
+                "rollout/response_len": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
+                "rollout/groups": len(taken.groups),
+                "rollout/errors": self.errors,
+                "timing/wait_for_batch_s": time.perf_counter() - t0,
+            }
+            if rl.dynamic_sampling.enabled:
+                seen = taken.dropped_since_last + len(taken.groups)
+                metrics["rollout/dropped_frac"] = taken.dropped_since_last / max(1, seen)
+            self.events.log(step + 1, metrics)
+            self.window_tokens, self.window_started = 0, time.perf_counter()
+
+    async def take_batch(self, buffer):
+        """The next batch; with dynamic sampling, a partial one once too many groups were dropped."""
+        ds = self.rl.dynamic_sampling
+        if not ds.enabled:
+            return await buffer.take_batch()
+        taken = await buffer.take_batch(partial_after_drops=ds.max_extra_batches * self.rl.prompts_per_step)
+        if taken is not None and buffer.last_batch_partial:
+            print(
+                f"dynamic sampling: {taken.dropped_since_last} groups with equal rewards dropped, more than "
+                f"rl.dynamic_sampling.max_extra_batches = {ds.max_extra_batches} batches' worth; "
+                f"training step {taken.step + 1} on {len(taken.groups)} groups",
+                flush=True,
+            )
+        return taken
+
+    async def run(self) -> None:
+        from backends.exchange import RunExchange
+        from backends.inference.weight_sync import set_weight_version
+        from backends.rollout.client import RolloutClient
+
+        exchange = RunExchange(self.run_dir)
+        # The learner publishes the policy it starts from (v0, or the resumed checkpoint's step).
+        exchange.wait_version(0, timeout_s=1800)
+        self.start = exchange.latest_version()
+        self.events.log(self.start, {"progress/total_steps": self.rl.steps})
+        buffer = self.restore_buffer()
+        async with RolloutClient.from_recipe(self.router_url, self.recipe) as client:
+            if self.start > 0:
+                from backends.inference.weight_sync import sync_weights
+
+                await sync_weights(self.engine_urls, exchange.weights_dir(self.start), self.start)
+            else:
+                await set_weight_version(self.engine_urls, "0")
+            self.version = self.start
+            await self.evaluate(client, self.start)
+            n_workers = max(1, self.recipe.inference.max_concurrency // self.rl.samples_per_prompt)
+            workers = [asyncio.create_task(self.worker(client, buffer)) for _ in range(n_workers)]
+            watcher = asyncio.create_task(self.watch_weights(client, buffer, exchange))
+            try:
+                await self.feed_trainer(buffer, exchange)
+                await watcher  # the last version's sync and final evaluation
+            finally:
+                await buffer.close()
+                for task in (*workers, watcher):
+                    task.cancel()
+                await asyncio.gather(*workers, watcher, return_exceptions=True)
+        self.events.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from backends.exchange import RunExchange, StopRequested
+
+    parser = argparse.ArgumentParser(prog="python -m backends.rollout.orchestrator", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--init-from", required=True, type=Path)
+    parser.add_argument("--router-url", required=True)
+    parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
+    parser.add_argument("--async", dest="async_mode", action="store_true")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    orchestrator = Orchestrator(args)
+    try:
+        asyncio.run(orchestrator.run())
+    except StopRequested as stop:
+        print(f"stopping: {stop}", flush=True)
+        raise SystemExit(1)
+    except BaseException as err:
+        RunExchange(args.run_dir).request_stop(f"orchestrator failed: {type(err).__name__}: {err}")
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

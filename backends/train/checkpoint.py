@@ -1,0 +1,138 @@
+"""Checkpoints: HF model + DeepSpeed trainer state + data position, never visible half-written.
+
+Layout of ``<run_dir>/checkpoints/step-<n>/``::
+
+    model/                 HF safetensors model + tokenizer (LoRA: merged weights, adapter in adapter/)
+    deepspeed/state/       engine.save_checkpoint: module, optimizer (per-rank ZeRO shards), scheduler
+    rng/rank-<r>.pt        RNG states of every rank
+    trainer_state.json     {"step": n, ...}: written last
+
+All ranks write into ``checkpoints/.tmp-step-<n>/``; after a barrier rank 0 renames it to
+``step-<n>`` (atomic on one file system), so a directory named ``step-<n>`` is always complete. Old
+checkpoints beyond ``keep_last`` are renamed to ``.trash-*`` before deletion for the same reason.
+Leftover ``.tmp-*`` / ``.trash-*`` from a killed run are removed at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "trainer_state.json"
+DS_TAG = "state"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete checkpoint, oldest first."""
+    root = checkpoints_dir(run_dir)
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and (child / STATE_FILE).is_file():
+                found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def remove_leftovers(run_dir: str | os.PathLike) -> None:
+    """Delete partial checkpoints of a killed run (rank 0, before training starts)."""
+    root = checkpoints_dir(run_dir)
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _discard(path: Path) -> None:
+    trash = path.with_name(f".trash-{path.name}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Atomically make ``tmp`` visible as ``final`` (replacing an older ``final``)."""
+    if final.exists():
+        _discard(final)
+    os.replace(tmp, final)
+
+
+def save_checkpoint(
+    engine,
+    run_dir: str | os.PathLike,
+    step: int,
+    state: dict,
+    export_model: Callable[[Path], None],
+    keep_last: int,
+) -> Path:
+    """Collective: every rank calls it. ``export_model(dir)`` writes the HF model (itself collective
+    under ZeRO-3; only rank 0 writes files). Returns the checkpoint path."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    root = checkpoints_dir(run_dir)
+    tmp = root / f".tmp-step-{step}"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    engine.save_checkpoint(str(tmp / "deepspeed"), tag=DS_TAG, save_latest=False)
+    export_model(tmp / "model")
+    torch.save(rng_state(), tmp / "rng" / f"rank-{rank}.pt")
+    _barrier()
+    final = root / f"step-{step}"
+    if rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
+        publish_dir(tmp, final)
+        for _, old in complete_checkpoints(run_dir)[:-keep_last]:
+            _discard(old)
+    _barrier()
+    return final
+
+
+def load_checkpoint(engine, path: str | os.PathLike) -> dict:
+    """Restore engine, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+    path = Path(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    engine.load_checkpoint(
+        str(path / "deepspeed"), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    rng_file = path / "rng" / f"rank-{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((path / STATE_FILE).read_text())

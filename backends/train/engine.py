@@ -1,0 +1,143 @@
+"""DeepSpeed engine setup shared by the SFT trainer, the RL learner and the benchmarks.
+
+- Device: CUDA with NCCL when the recipe (or "auto") says so and a GPU is visible, else the CPU
+  accelerator with gloo (``DS_ACCELERATOR=cpu`` is set by the planner).
+- Optimizer: a torch ``AdamW`` instance handed to ``deepspeed.initialize``; a config optimizer
+  would make DeepSpeed compile cpu_adam / fused_adam first (about 50 s on CPU).
+- Gradient accumulation is ours (``managed_gradient_accumulation: false``): every ``backward`` only
+  accumulates, ``step()`` is the boundary, so the number of micro-batches may change from step to
+  step (dynamic micro-batching). The caller scales each micro-batch loss itself and calls
+  ``engine.backward(loss, scale_wrt_gas=False)``; see ``train_step``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from backends.train.microbatch import MicroBatch, token_nll_sum
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def resolve_device(preference: str) -> str:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def init_distributed(preference: str = "auto") -> Dist:
+    """Join the torchrun process group (a plain ``python`` run is a world of one)."""
+    import deepspeed
+
+    kind = resolve_device(preference)
+    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, default)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    deepspeed.init_distributed(dist_backend="nccl" if kind == "cuda" else "gloo", verbose=False)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool) -> dict:
+    zero: dict = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # nominal: micro-batches are token-budgeted by us
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_engine(
+    model,
+    *,
+    lr: float,
+    weight_decay: float,
+    lr_lambda: Callable[[int], float],
+    zero_stage: int,
+    grad_clip: float,
+    bf16: bool,
+    betas: tuple[float, float] = (0.9, 0.999),
+):
+    """``deepspeed.initialize`` with a torch AdamW over the trainable parameters and a LambdaLR."""
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+        config=deepspeed_config(zero_stage, grad_clip, bf16),
+    )
+    return engine, scheduler
+
+
+def all_reduce_sum(values: Sequence[float], device) -> list[float]:
+    """Sum of each value over all ranks (one collective for the whole list)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def train_step(engine, micro_batches: Sequence[MicroBatch], global_loss_tokens: int, world_size: int) -> float:
+    """One optimizer step over this rank's micro-batches; returns this rank's summed NLL.
+
+    Each micro-batch's loss is its token-summed NLL * world_size / (loss tokens of the whole global
+    batch): DeepSpeed averages gradients over ranks, so the update is the gradient of the global
+    token-mean loss, whatever the packing. All ranks must pass the same number of micro-batches."""
+    scale = world_size / max(1, global_loss_tokens)
+    nll_total = 0.0
+    for mb in micro_batches:
+        nll = token_nll_sum(engine, mb.to(engine.device))
+        engine.backward(nll * scale, scale_wrt_gas=False)
+        nll_total += float(nll.detach())
+    engine.step()
+    return nll_total
+
+
+def grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if hasattr(norm, "item") else norm)

@@ -1,0 +1,340 @@
+"""The RL learner process: ``torchrun ... -m backends.train.rl_learner --run-dir DIR --init-from MODEL``.
+
+For each step k it reads ``batches/step-<k>.json`` (written by the orchestrator), computes
+advantages over the whole batch, trains one optimizer step with dynamic micro-batching, and
+publishes the new policy as ``weights/v<k+1>/`` for the engines. Sync and fully-async RL run the
+same learner: only the orchestrator's staleness bound differs, and the off-policy correction
+against the rollout logprobs handles whatever lag there is.
+
+Every rank reads the whole batch and derives the same micro-batch layout and the same loss
+normaliser (total loss tokens / sequences of the batch), so the loss is normalised over the whole
+mini-batch without communication and does not depend on how it was packed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from skyrl_cli.metrics.events import EventWriter
+
+PROCESS_NAME = "trainer"
+BATCH_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class Tensors:
+    """One micro-batch of trajectories as right-padded rows, every tensor [B, T]."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    def to(self, device) -> "Tensors":
+        return Tensors(*(t.to(device) for t in (self.input_ids, self.position_ids, self.loss_mask, self.rollout_logprobs, self.advantages)))
+
+
+def sample_rows(samples, advantages: torch.Tensor) -> list[tuple[list[int], list[float], list[float], list[float]]]:
+    """Per sample: token ids, loss mask, rollout logprobs and advantages aligned on the full sequence
+    (prompt positions carry no loss). ``advantages``: [N, R] per response token."""
+    rows = []
+    for i, s in enumerate(samples):
+        n_prompt, n_resp = len(s.prompt_ids), len(s.response_ids)
+        ids = list(s.prompt_ids) + list(s.response_ids)
+        mask = [0.0] * n_prompt + [float(m) for m in s.loss_mask]
+        lps = [0.0] * n_prompt + [float(x) for x in s.rollout_logprobs]
+        adv = [0.0] * n_prompt + advantages[i, :n_resp].tolist()
+        rows.append((ids, mask, lps, adv))
+    return rows
+
+
+def collate_rows(rows, pad_id: int) -> Tensors:
+    width = max(len(r[0]) for r in rows)
+    b = len(rows)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask, lps, adv = (torch.zeros((b, width), dtype=torch.float32) for _ in range(3))
+    for j, (r_ids, r_mask, r_lps, r_adv) in enumerate(rows):
+        n = len(r_ids)
+        ids[j, :n] = torch.tensor(r_ids)
+        mask[j, :n] = torch.tensor(r_mask)
+        lps[j, :n] = torch.tensor(r_lps)
+        adv[j, :n] = torch.tensor(r_adv)
+    pos = torch.arange(width).expand(b, width).contiguous()
+    return Tensors(ids, pos, mask, lps, adv)
+
+
+def padding_tensors(pad_id: int) -> Tensors:
+    """A zero-weight micro-batch that keeps ranks in step (ZeRO-2/3 need equal counts)."""
+    one = torch.full((1, 1), pad_id, dtype=torch.long)
+    zero = torch.zeros((1, 1))
+    return Tensors(one, torch.zeros_like(one), zero, zero.clone(), zero.clone())
+
+
+def batch_advantages(samples, recipe) -> torch.Tensor:
+    from backends.train.rl.advantages import compute_advantages
+
+    width = max(1, max(len(s.response_ids) for s in samples))
+    mask = torch.zeros((len(samples), width))
+    for i, s in enumerate(samples):
+        mask[i, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    return compute_advantages(rewards, [s.prompt_uid for s in samples], mask, recipe.rl.advantage)
+
+
+def reduce_metrics(metrics: dict[str, float], device) -> dict[str, float]:
+    """Sum shares over ranks; ``_max`` / ``_min`` keys by max / min (see rl.losses.merge_metrics)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return metrics
+    # Every rank must contribute the same keys in the same order: gather the key sets first.
+    keys: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(keys, sorted(metrics))
+    names = sorted(set().union(*map(set, keys)))
+    out = {}
+    for op, pick, fill in (
+        (tdist.ReduceOp.SUM, lambda k: not k.endswith(("_max", "_min")), 0.0),
+        (tdist.ReduceOp.MAX, lambda k: k.endswith("_max"), float("-inf")),
+        (tdist.ReduceOp.MIN, lambda k: k.endswith("_min"), float("inf")),
+    ):
+        chosen = [k for k in names if pick(k)]
+        if not chosen:
+            continue
+        t = torch.tensor([metrics.get(k, fill) for k in chosen], dtype=torch.float64, device=device)
+        tdist.all_reduce(t, op=op)
+        out.update({k: float(v) for k, v in zip(chosen, t.tolist()) if abs(v) != float("inf")})
+    return out
+
+
+class Learner:
+    def __init__(self, run_dir: Path, init_from: Path, resume: bool):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        from backends.exchange import RunExchange
+        from backends.models.tokenizer import load_tokenizer
+        from backends.train.engine import init_distributed, make_engine
+        from backends.train.schedule import schedule
+        from backends.train.sft import HFExporter, load_recipe
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        self.run_dir = run_dir
+        self.recipe = recipe = load_recipe(run_dir)
+        self.rl = rl = recipe.rl
+        trainer = recipe.trainer
+        self.dist = init_distributed(trainer.device)
+        self.events = EventWriter(run_dir / "events.jsonl", PROCESS_NAME) if self.dist.is_main else None
+        self.exchange = RunExchange(run_dir)
+        self.tokenizer = load_tokenizer(str(init_from))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+        torch.manual_seed(recipe.seed)
+        bf16 = recipe.model.dtype == "bfloat16" or (recipe.model.dtype == "auto" and self.dist.on_gpu)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype)
+        self.reference = None
+        if rl.kl.coef > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype).to(self.dist.device).eval()
+            self.reference.requires_grad_(False)
+        self.engine, self.scheduler = make_engine(
+            model,
+            lr=rl.learning_rate,
+            weight_decay=0.0,
+            lr_lambda=schedule(rl.warmup_steps, rl.steps, "constant", 1.0),
+            zero_stage=trainer.zero_stage,
+            grad_clip=rl.grad_clip,
+            bf16=bf16,
+        )
+        self.export = HFExporter(self.engine, self.tokenizer, self.dist, trainer.zero_stage)
+        self.start_step = self._restore() if resume else 0
+
+    def _restore(self) -> int:
+        from backends.train.checkpoint import latest_checkpoint, load_checkpoint
+
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is None:
+            return 0
+        step = int(load_checkpoint(self.engine, checkpoint)["step"])
+        self.say(f"resumed from {checkpoint} at step {step}")
+        return step
+
+    def say(self, msg: str) -> None:
+        if self.dist.is_main:
+            print(msg, flush=True)
+
+    # ----------------------------------------------------------------------------- one step
+    def _micro_batches(self, samples) -> tuple[list[Tensors], object]:
+        from backends.train.packing import dynamic_layout
+
+        rows = sample_rows(samples, batch_advantages(samples, self.recipe))
+        lengths = [len(r[0]) for r in rows]
+        layout = dynamic_layout(lengths, self.dist.world_size, self.rl.max_tokens_per_microbatch, "padded")
+        mine = [collate_rows([rows[i] for i in mb], self.pad_id) for mb in layout.per_rank[self.dist.rank]]
+        mine += [padding_tensors(self.pad_id)] * layout.padding_microbatches(self.dist.rank)
+        return mine, layout
+
+    def _logprobs(self, model, mb: Tensors) -> torch.Tensor:
+        """Logprob of every token given the ones before it, aligned with ``input_ids`` (position 0: 0),
+        of the tempered distribution the engines sample from (they report processed logprobs)."""
+        from backends.train.microbatch import IGNORE, token_logprobs
+
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        if self.rl.temperature != 1.0:
+            logits = logits / self.rl.temperature
+        labels = torch.cat([mb.input_ids[:, 1:], torch.full_like(mb.input_ids[:, :1], IGNORE)], dim=1)
+        next_token = token_logprobs(logits, labels)
+        return torch.nn.functional.pad(next_token[:, :-1], (1, 0), value=0.0)
+
+    def train_step(self, samples) -> dict[str, float]:
+        from backends.train.rl.losses import LossNormalizer, kl_loss, merge_metrics, policy_loss
+        from backends.train.rl.off_policy import logprob_diff_metrics, off_policy_correction
+
+        rl = self.rl
+        micro_batches, layout = self._micro_batches(samples)
+        normalizer = LossNormalizer(
+            tokens=float(sum(s.num_loss_tokens for s in samples)),
+            sequences=float(sum(1 for s in samples if s.num_loss_tokens > 0)),
+            max_seq_len=rl.max_new_tokens * rl.max_turns,
+        )
+        metrics: dict[str, float] = {}
+        world = self.dist.world_size
+        for mb in micro_batches:
+            mb = mb.to(self.dist.device)
+            logprobs = self._logprobs(self.engine, mb)
+            # One update per batch: the PPO ratio is taken against the trainer's own logprobs
+            # (ratio 1, gradient of the surrogate); lag behind the sampler is handled by the
+            # importance weights against the rollout logprobs.
+            old = logprobs.detach()
+            correction = off_policy_correction(old, mb.rollout_logprobs, mb.loss_mask, rl.async_.off_policy, normalizer)
+            loss, loss_metrics = policy_loss(
+                logprobs, old, mb.advantages, correction.loss_mask, rl.loss, normalizer, is_weights=correction.is_weights
+            )
+            merge_metrics(metrics, {k: v for k, v in loss_metrics.items() if k != "train/policy_loss"})
+            merge_metrics(metrics, {"train/policy_loss": float(loss.detach())})
+            merge_metrics(metrics, correction.metrics)
+            merge_metrics(metrics, logprob_diff_metrics(old, mb.rollout_logprobs, mb.loss_mask, normalizer))
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.reference, mb)
+                term, kl_metrics = kl_loss(
+                    logprobs, ref, mb.loss_mask, coef=rl.kl.coef, estimator=rl.kl.estimator,
+                    reduction=rl.loss.reduction, normalizer=normalizer,
+                )
+                loss = loss + term
+                merge_metrics(metrics, kl_metrics)
+            # DeepSpeed averages gradients over ranks; the shares must add up, hence * world.
+            self.engine.backward(loss * world, scale_wrt_gas=False)
+        self.engine.step()
+        out = reduce_metrics(metrics, self.dist.device)
+        out["train/num_microbatches"] = layout.num_microbatches
+        out["train/padding_microbatches"] = layout.padding_microbatches()
+        return out
+
+    # ----------------------------------------------------------------------------- the loop
+    def publish(self, version: int) -> None:
+        import torch.distributed as tdist
+
+        if self.recipe.trainer.zero_stage == 3 or self.dist.is_main:
+            if self.dist.is_main:
+                with self.exchange.publish_weights(version) as out:
+                    self.export(out)
+            else:
+                self.export(self.run_dir / ".unused")  # collective gather; rank 0 writes
+        if tdist.is_initialized():
+            tdist.barrier()
+
+    def checkpoint(self, step: int) -> None:
+        from backends.train.checkpoint import save_checkpoint
+
+        save_checkpoint(self.engine, self.run_dir, step, {"seed": self.recipe.seed}, self.export, self.rl.keep_last)
+
+    def run(self) -> None:
+        from backends.rollout.batch import Sample
+        from backends.train.checkpoint import remove_leftovers
+        from backends.train.engine import grad_norm
+
+        rl = self.rl
+        if self.dist.is_main:
+            remove_leftovers(self.run_dir)
+        if self.events:
+            self.events.log(self.start_step, {"progress/total_steps": rl.steps})
+        if self.exchange.latest_version() != self.start_step:
+            self.publish(self.start_step)  # the orchestrator's starting point (also after a resume)
+        self.say(f"learner ready: world {self.dist.world_size}, ZeRO-{self.recipe.trainer.zero_stage}, from step {self.start_step}")
+        for step in range(self.start_step, rl.steps):
+            t0 = time.perf_counter()
+            batch = self.exchange.read_batch(step, timeout_s=BATCH_TIMEOUT_S)
+            samples = [Sample.from_dict(s) for s in batch["samples"]]
+            t1 = time.perf_counter()
+            metrics = self.train_step(samples)
+            t2 = time.perf_counter()
+            self.publish(step + 1)
+            t3 = time.perf_counter()
+            tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+            metrics.update(
+                {
+                    "train/lr": self.scheduler.get_last_lr()[0],
+                    "train/grad_norm": grad_norm(self.engine),
+                    "train/tokens_per_s": tokens / max(t2 - t1, 1e-9),
+                    "train/samples": len(samples),
+                    "timing/wait_for_batch_s": t1 - t0,
+                    "timing/train_s": t2 - t1,
+                    "timing/publish_weights_s": t3 - t2,
+                    **staleness_metrics(samples, step),
+                }
+            )
+            if self.events:
+                self.events.log(step + 1, metrics)
+            self.say(
+                f"step {step + 1}/{rl.steps}: loss {metrics.get('train/policy_loss', 0):+.4f} "
+                f"logprob diff {metrics.get('train/logprob_diff', 0):.4f} train {t2 - t1:.2f}s wait {t1 - t0:.2f}s"
+            )
+            if (rl.save_every and (step + 1) % rl.save_every == 0) or step + 1 == rl.steps:
+                self.checkpoint(step + 1)
+            if self.dist.is_main:
+                self.exchange.drop_batch(step)
+                self.exchange.prune_weights(keep={step, step + 1})
+        if self.events:
+            self.events.close()
+
+
+def staleness_metrics(samples, trained_step: int) -> dict[str, float]:
+    """How many versions behind the policy being trained each sample's oldest tokens are."""
+    lags = [trained_step - min(s.policy_versions) for s in samples if s.policy_versions]
+    if not lags:
+        return {}
+    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from backends.exchange import StopRequested
+
+    parser = argparse.ArgumentParser(prog="python -m backends.train.rl_learner", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--init-from", required=True, type=Path, help="HF model directory of the initial policy")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    learner = Learner(args.run_dir.resolve(), args.init_from.resolve(), args.resume)
+    try:
+        learner.run()
+    except StopRequested as stop:
+        learner.say(f"stopping: {stop}")
+        raise SystemExit(1)
+    except BaseException as err:
+        learner.exchange.request_stop(f"trainer failed: {type(err).__name__}: {err}")
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""`skyrl rl RECIPE [--async]`: RL with vLLM engines behind vllm-router and a DeepSpeed learner."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from skyrl_cli.commands import common
+
+AsyncOpt = Annotated[
+    bool, typer.Option("--async", help="Fully-async RL: generation runs ahead of training up to rl.async.max_staleness versions.")
+]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("rl")
+    def rl(
+        recipe: common.RecipeArg,
+        async_mode: AsyncOpt = False,
+        set_: common.SetOpt = None,
+        run_dir: common.RunDirOpt = None,
+        dry_run: common.DryRunOpt = False,
+        resume: common.ResumeOpt = False,
+        overwrite: common.OverwriteOpt = False,
+        quiet: common.QuietOpt = False,
+        json_: common.JsonOpt = False,
+    ) -> None:
+        """Reinforcement learning from the recipe's rl section (GRPO family), sync or fully async.
+
+        Starts rl.init_from: "sft" is this recipe's SFT output (SFT runs first when it has not).
+        Writes runs/<name>/rl/ (or --run-dir): events.jsonl, logs/, checkpoints/, final/, summary.json.
+        """
+        from skyrl_cli.plan.build import build_plan
+
+        mode = common.output_mode(quiet, json_)
+        loaded = common.load_for_run(recipe, set_, "rl")
+        directory = common.run_dir_for(loaded, "rl", run_dir).resolve()
+        plan = build_plan(loaded, "rl", directory, resume=resume, async_mode=async_mode)
+        if dry_run:
+            common.print_plan(plan, json_)
+            return
+        ensure_initial_policy(loaded, mode)
+        summary = run_rl(loaded, plan, directory, mode, resume=resume, overwrite=overwrite)
+        if mode != "json":
+            typer.echo(final_line(summary, directory))
+
+
+def ensure_initial_policy(recipe, mode) -> None:
+    """``init_from = "sft"``: run the recipe's SFT stage first when its output does not exist."""
+    from skyrl_cli.errors import UsageError
+    from skyrl_cli.plan.rl import init_model_dir
+
+    init = init_model_dir(recipe)
+    if (init / "config.json").exists():
+        return
+    if recipe.rl.init_from != "sft":
+        raise UsageError(f"rl.init_from: no model at {init}")
+    if recipe.sft is None:
+        raise UsageError('rl.init_from = "sft" but the recipe has no [sft] section and no SFT output exists')
+    from skyrl_cli.commands.sft import run_sft
+    from skyrl_cli.plan.build import build_plan
+
+    typer.echo(f"rl: no SFT output at {init}; running the recipe's SFT stage first", err=True)
+    sft_dir = init.parent
+    run_sft(recipe, build_plan(recipe, "sft", sft_dir), sft_dir, mode, resume=True, overwrite=False)
+
+
+def clear_exchange(directory: Path) -> None:
+    """Batches, stop requests and the LATEST pointer belong to the processes of one launch: a
+    resumed learner republishes the policy it restarts from, and nothing stale may be read first."""
+    for sub in ("batches", "control"):
+        shutil.rmtree(directory / sub, ignore_errors=True)
+    (directory / "weights" / "LATEST").unlink(missing_ok=True)
+
+
+def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool) -> dict:
+    from skyrl_cli.errors import LaunchError
+    from skyrl_cli.launch.supervisor import Supervisor, log_tail
+    from skyrl_cli.metrics.follow import FollowedRun
+    from skyrl_cli.rundir import prepare_run_dir
+
+    prepare_run_dir(directory, recipe, plan, resume=resume, overwrite=overwrite)
+    clear_exchange(directory)
+    sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
+    services = [p for p in plan.processes if p.kind == "service"]
+    engines = [p.name for p in services if p.role == "engine"]
+    jobs = [p for p in plan.processes if p.kind == "job"]
+    started = time.monotonic()
+    with Supervisor(directory) as supervisor:
+        for spec in services:
+            supervisor.start(spec)
+            if spec.role == "router":  # engines load in parallel; the router needs them up
+                supervisor.wait_ready(engines)
+        supervisor.wait_ready([s.name for s in services])
+        for spec in jobs:
+            supervisor.start(spec)
+        extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(directory / "final")}
+        with FollowedRun(directory, sinks, summary_extra=extra) as run:
+            for spec in reversed(jobs):  # the learner first: the orchestrator finishes after it
+                code = supervisor.wait_job(spec.name, on_tick=run.poll)
+                if code != 0:
+                    proc = supervisor.processes[spec.name]
+                    tail = log_tail(proc.log_path, 25)
+                    raise LaunchError(f"the {spec.name} failed (exit code {code}); log: {proc.log_path}\n{tail}")
+            publish_final_model(directory)
+            run.summary_extra.update(initial_and_final_accuracy(directory))
+            run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
+    return run.summary or {}
+
+
+def publish_final_model(directory: Path) -> None:
+    """``final/``: the newest checkpoint's HF model (the learner checkpoints its last step)."""
+    import os
+
+    checkpoints = sorted(
+        (int(p.name.split("-", 1)[1]), p) for p in (directory / "checkpoints").glob("step-*") if (p / "trainer_state.json").exists()
+    )
+    if not checkpoints:
+        return
+    tmp = directory / ".tmp-final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(checkpoints[-1][1] / "model", tmp)
+    if (directory / "final").exists():
+        shutil.rmtree(directory / "final")
+    os.replace(tmp, directory / "final")
+
+
+def initial_and_final_accuracy(directory: Path) -> dict:
+    import json
+
+    from skyrl_cli.metrics.events import iter_events
+
+    accuracy = [e for e in iter_events(directory / "events.jsonl") if e.name == "eval/accuracy"]
+    if not accuracy:
+        return {}
+    initial = json.loads((directory / "eval_initial.json").read_text())["accuracy"] if (directory / "eval_initial.json").exists() else accuracy[0].value
+    final = max(accuracy, key=lambda e: (e.step, e.time)).value
+    return {"eval_accuracy_initial": initial, "eval_accuracy_final": final, "eval_accuracy_gain": final - initial}
+
+
+def final_line(summary: dict, directory: Path) -> str:
+    parts = []
+    if "eval_accuracy_final" in summary:
+        parts.append(f"held-out accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}")
+    for key, label in (("rollout/tokens_per_s", "rollout tokens/s"), ("train/tokens_per_s", "training tokens/s")):
+        figure = summary.get("throughput", {}).get(key)
+        if figure:
+            parts.append(f"{figure['mean']:,.0f} {label}")
+    if "wall_s" in summary:
+        parts.append(f"{summary['wall_s']:.0f} s")
+    return f"rl done: {', '.join(parts)}; model: {directory / 'final'}"

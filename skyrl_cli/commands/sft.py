@@ -1,0 +1,77 @@
+"""`skyrl sft RECIPE`: supervised fine-tuning on a DeepSpeed trainer launched with torchrun."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from skyrl_cli.commands import common
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("sft")
+    def sft(
+        recipe: common.RecipeArg,
+        set_: common.SetOpt = None,
+        run_dir: common.RunDirOpt = None,
+        dry_run: common.DryRunOpt = False,
+        resume: common.ResumeOpt = False,
+        overwrite: common.OverwriteOpt = False,
+        quiet: common.QuietOpt = False,
+        json_: common.JsonOpt = False,
+    ) -> None:
+        """Supervised fine-tuning from the recipe's sft section: torchrun + DeepSpeed, dynamic micro-batching.
+
+        Writes runs/<name>/sft/ (or --run-dir): events.jsonl, logs/trainer.log, checkpoints/,
+        final/ (HF model + tokenizer) and summary.json.
+        """
+        from skyrl_cli.plan.build import build_plan
+
+        mode = common.output_mode(quiet, json_)
+        loaded = common.load_for_run(recipe, set_, "sft")
+        directory = common.run_dir_for(loaded, "sft", run_dir).resolve()
+        plan = build_plan(loaded, "sft", directory, resume=resume)
+        if dry_run:
+            common.print_plan(plan, json_)
+            return
+        summary = run_sft(loaded, plan, directory, mode, resume=resume, overwrite=overwrite)
+        if mode != "json":
+            typer.echo(final_line(summary, directory))
+
+
+def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool) -> dict:
+    """Start the trainer under the supervisor, follow its events, write summary.json; a failed
+    trainer raises ``LaunchError`` with the end of its log."""
+    from skyrl_cli.errors import LaunchError
+    from skyrl_cli.launch.supervisor import Supervisor, log_tail
+    from skyrl_cli.metrics.follow import FollowedRun
+    from skyrl_cli.rundir import prepare_run_dir
+
+    prepare_run_dir(directory, recipe, plan, resume=resume, overwrite=overwrite)
+    sinks = common.output_sinks(mode, recipe, directory, title="sft")
+    (spec,) = plan.processes
+    started = time.monotonic()
+    with Supervisor(directory) as supervisor:
+        proc = supervisor.start(spec)
+        extra = {"stage": "sft", "final_model": str(directory / "final")}
+        with FollowedRun(directory, sinks, summary_extra=extra) as run:
+            code = supervisor.wait_job(spec.name, on_tick=run.poll)
+            run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
+            if code != 0:
+                tail = log_tail(proc.log_path, 25)
+                raise LaunchError(f"the trainer failed (exit code {code}); log: {proc.log_path}\n{tail}")
+    return run.summary or {}
+
+
+def final_line(summary: dict, directory) -> str:
+    metrics = summary.get("metrics", {})
+    parts = []
+    if "eval/accuracy" in metrics:
+        parts.append(f"held-out accuracy {metrics['eval/accuracy']:.3f}")
+    tokens = summary.get("throughput", {}).get("train/tokens_per_s")
+    if tokens:
+        parts.append(f"{tokens['mean']:,.0f} training tokens/s")
+    if "wall_s" in summary:
+        parts.append(f"{summary['wall_s']:.0f} s")
+    return f"sft done: {', '.join(parts)}; model: {directory / 'final'}"

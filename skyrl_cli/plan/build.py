@@ -1,0 +1,67 @@
+"""``build_plan``: recipe + stage + CLI flags + machine facts -> ``LaunchPlan`` (pure; starts nothing).
+
+Each stage has one planner in ``STAGE_PLANNERS``; the SFT stage is a single torchrun job. The RL
+stage's planner (engines, router, orchestrator, trainer) is ``skyrl_cli.plan.rl``; it reuses
+``skyrl_cli.plan.inference`` and ``skyrl_cli.plan.trainer``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from skyrl_cli.errors import UsageError
+from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.model import LaunchPlan
+from skyrl_cli.plan.trainer import trainer_resources, trainer_spec
+from skyrl_cli.recipe.schema import Recipe
+
+Planner = Callable[[Recipe, Path, bool, bool, MachineFacts], LaunchPlan]
+
+
+def world_size(recipe: Recipe) -> int:
+    return recipe.trainer.ranks * recipe.trainer.nnodes
+
+
+def plan_sft(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts) -> LaunchPlan:
+    if recipe.sft is None:
+        raise UsageError("the recipe has no [sft] section")
+    if recipe.sft.batch_size < world_size(recipe):
+        raise UsageError(f"sft.batch_size: {recipe.sft.batch_size} sequences cannot be split over {world_size(recipe)} ranks")
+    resources = trainer_resources(recipe, machine)
+    trainer = trainer_spec(recipe, run_dir, machine, module="backends.train.sft", resume=resume, resources=resources)
+    return LaunchPlan(
+        stage="sft",
+        run_dir=str(run_dir),
+        device=resources.device,
+        resume=resume,
+        world_size=world_size(recipe),
+        processes=(trainer,),
+    )
+
+
+def _plan_rl(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts) -> LaunchPlan:
+    from skyrl_cli.plan.rl import plan_rl
+
+    return plan_rl(recipe, run_dir, resume, async_mode, machine)
+
+
+STAGE_PLANNERS: dict[str, Planner] = {"sft": plan_sft, "rl": _plan_rl}
+
+
+def build_plan(
+    recipe: Recipe,
+    stage: str,
+    run_dir: str | Path,
+    resume: bool = False,
+    async_mode: bool = False,
+    machine: MachineFacts | None = None,
+) -> LaunchPlan:
+    """The launch plan of ``stage``; ``machine`` defaults to this host's detected facts."""
+    if stage not in STAGE_PLANNERS:
+        raise UsageError(f"no planner for stage {stage!r}")
+    if machine is None:
+        from skyrl_cli.plan.machine import detect_machine
+
+        machine = detect_machine()
+    return STAGE_PLANNERS[stage](recipe, Path(run_dir).resolve(), resume, async_mode, machine)

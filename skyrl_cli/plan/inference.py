@@ -1,0 +1,236 @@
+"""The inference part of a launch plan: vLLM engines and the vllm-router in front of them.
+
+Pure functions of the recipe and the machine's facts; nothing is started here.
+
+Engines
+    One ``python -m backends.inference.serve`` process per engine (vLLM's OpenAI server plus the
+    RL admin routes). On CPU each engine gets one core (``VLLM_CPU_OMP_THREADS_BIND``; by default
+    every engine would bind core 0) and a fixed KV-cache size; on GPUs each engine gets
+    ``tensor_parallel`` devices through ``CUDA_VISIBLE_DEVICES``. Every engine serves the model
+    under the one name ``policy`` (``ENGINE_MODEL_NAME``) so that clients never need its path.
+    Flags every engine gets, and why:
+
+    - ``--enable-scale-out``: ``/inference/v1/generate``, token ids in and out, with the weight
+      version of every sampled token (what the rollout client uses).
+    - ``--logprobs-mode processed_logprobs``: the logprobs of the distribution the token was
+      actually sampled from (after temperature), which is what the trainer's importance ratio
+      needs; vLLM's default is the raw model distribution.
+    - ``--generation-config vllm``: sampling defaults are vLLM's, not the checkpoint's
+      ``generation_config.json`` (a request's parameters are then exactly what the client sent).
+    - ``VLLM_SERVER_DEV_MODE=1``: the admin routes (pause, ``collective_rpc``, weight version).
+    - ``SKYRL_DIE_WITH_PARENT=1``: the engine takes its process group down when the driver dies.
+
+Router
+    ``vllm-router`` with the recipe's policy. The default is ``sticky_least_loaded``:
+
+    - RL rollouts are multi-turn sessions whose every turn extends the previous prompt, so the
+      engine that served turn t holds turn t+1's prefix in its KV cache; a policy that is not
+      sticky (round_robin, power_of_two, random) throws that away at every turn.
+    - Among sticky policies, ``consistent_hash`` places sessions by hash, blind to load: on m
+      engines and N sessions its busiest engine carries about ``1 + sqrt(2 ln m / (N/m))`` times
+      the mean (anchors.md), and whole groups of long sessions can pile onto one engine.
+      ``sticky_least_loaded`` places a *new* session on the engine with the fewest active
+      sessions and then keeps it there (released by ``/finish_session``).
+    - Measured by others at scale (SkyRL v0.3 benchmark, anchors.md): against consistent_hash it
+      cut the step time 580 -> 302 s under moderate KV pressure (preemptions 32 -> 6, CV of
+      running requests across engines 0.81 -> 0.14) and 775 -> 585 s under high pressure, and
+      was only slightly behind at low pressure (287 vs 270 s); prime-rl switched to it after
+      consistent_hash dropped prefix-cache hits from 98% to 5% on a saturated engine.
+    - ``cache_aware`` (the router's own default) approximates prefix locality by matching request
+      text; with token-id requests and one session per trajectory, the session key is the exact
+      and cheaper signal.
+    ``skyrl bench routing`` measures the policies side by side on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Sequence
+
+from skyrl_cli.errors import UsageError
+from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
+from skyrl_cli.recipe.schema import Recipe, SpeculativeConfig
+
+ENGINE_MODEL_NAME = "policy"
+ENGINE_READY_TIMEOUT_S = 600.0
+ROUTER_READY_TIMEOUT_S = 60.0
+# How often the router probes its workers; short so a dead engine leaves rotation quickly even
+# before the recovery loop removes it.
+ROUTER_HEALTH_CHECK_INTERVAL_S = 5
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The facts about this host that the inference plan depends on.
+
+    ``engine_cores``: CPU cores the engines may use (one per engine, round robin if fewer);
+    ``engine_gpus``: GPU ids given to the engines (``tensor_parallel`` per engine, in order).
+    """
+
+    device: Literal["cpu", "cuda"]
+    engine_cores: tuple[int, ...] = (0,)
+    engine_gpus: tuple[int, ...] = ()
+    python: str = field(default_factory=lambda: sys.executable)
+    host: str = "127.0.0.1"
+
+
+def engine_name(index: int) -> str:
+    return f"engine-{index}"
+
+
+def engine_url(machine: Machine, port: int) -> str:
+    return f"http://{machine.host}:{port}"
+
+
+def speculative_config_json(spec: SpeculativeConfig) -> str:
+    """The recipe's ``[inference.speculative]`` as vLLM's ``--speculative-config`` JSON."""
+    config: dict[str, object] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+    if spec.method == "ngram":
+        config["prompt_lookup_max"] = spec.prompt_lookup_max
+    if spec.model:
+        config["model"] = spec.model
+    return json.dumps(config, separators=(",", ":"))
+
+
+def engine_dtype(recipe: Recipe) -> str:
+    # bf16 unless the recipe insists on fp32: on CPUs with AMX / AVX512-bf16 and on GPUs it is the
+    # fast path, and the off-policy correction absorbs the small train/inference numeric gap.
+    return "float32" if recipe.model.dtype == "float32" else "bfloat16"
+
+
+def engine_argv(recipe: Recipe, machine: Machine, port: int, model_dir: str, index: int = 0) -> tuple[str, ...]:
+    inf = recipe.inference
+    argv = [
+        machine.python, "-m", "backends.inference.serve", str(model_dir),
+        "--host", machine.host,
+        "--port", str(port),
+        "--served-model-name", ENGINE_MODEL_NAME,
+        "--dtype", engine_dtype(recipe),
+        "--max-model-len", str(inf.max_model_len),
+        "--max-num-seqs", str(inf.max_num_seqs),
+        # A distinct sampling seed per engine: with one seed, the k-th request on every engine
+        # draws the same random numbers, and samples of a group spread over engines repeat.
+        "--seed", str(recipe.seed + index),
+        "--enable-scale-out",
+        "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if machine.device == "cpu":
+        # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here.
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
+    else:
+        argv += [
+            "--tensor-parallel-size", str(inf.tensor_parallel),
+            "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
+            # The NCCL fast path of backends.inference.weight_sync; the disk path works regardless.
+            "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+        ]  # fmt: skip
+    if inf.speculative is not None:
+        argv += ["--speculative-config", speculative_config_json(inf.speculative)]
+    if recipe.model.lora is not None:
+        argv += ["--enable-lora", "--max-lora-rank", str(recipe.model.lora.rank), "--max-loras", "1"]
+    return tuple(argv)
+
+
+def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Environment and owned devices of engine ``index``."""
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "SKYRL_DIE_WITH_PARENT": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    if recipe.model.lora is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if machine.device == "cpu":
+        if not machine.engine_cores:
+            raise UsageError("no CPU cores left for the inference engines")
+        core = machine.engine_cores[index % len(machine.engine_cores)]
+        # VLLM_CPU_CI_ENV skips the start-up warm-up (seconds per engine, nothing to warm on CPU
+        # with eager execution).
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1"})
+        return env, (f"cpu:{core}",)
+    tp = recipe.inference.tensor_parallel
+    gpus = machine.engine_gpus[index * tp : (index + 1) * tp]
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return env, tuple(f"cuda:{g}" for g in gpus)
+
+
+def check_engine_devices(recipe: Recipe, machine: Machine) -> None:
+    inf = recipe.inference
+    if machine.device == "cuda":
+        need = inf.engines * inf.tensor_parallel
+        if need > len(machine.engine_gpus):
+            raise UsageError(
+                f"inference.engines = {inf.engines} x tensor_parallel = {inf.tensor_parallel} needs {need} GPUs; "
+                f"{len(machine.engine_gpus)} are left for engines ({list(machine.engine_gpus)})"
+            )
+    elif inf.tensor_parallel != 1:
+        raise UsageError("inference.tensor_parallel > 1 needs GPUs")
+
+
+def engine_specs(recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str) -> list[ProcessSpec]:
+    """One ProcessSpec per local engine (``recipe.inference.engines`` of them)."""
+    inf = recipe.inference
+    if len(ports) != inf.engines:
+        raise ValueError(f"{inf.engines} engines need {inf.engines} ports, got {len(ports)}")
+    check_engine_devices(recipe, machine)
+    specs = []
+    for index, port in enumerate(ports):
+        env, devices = engine_env(recipe, machine, index)
+        specs.append(
+            ProcessSpec(
+                name=engine_name(index),
+                role="engine",
+                argv=engine_argv(recipe, machine, port, model_dir, index),
+                env=env,
+                devices=devices,
+                ports=(port,),
+                ready=ReadinessCheck(url=f"{engine_url(machine, port)}/health", timeout_s=ENGINE_READY_TIMEOUT_S),
+            )
+        )
+    return specs
+
+
+def all_engine_urls(recipe: Recipe, machine: Machine, ports: Sequence[int]) -> list[str]:
+    """Local engines first, then the recipe's remote ones (``inference.urls``), used the same way."""
+    return [engine_url(machine, p) for p in ports] + [u.rstrip("/") for u in recipe.inference.urls]
+
+
+def router_binary(machine: Machine) -> str:
+    beside_python = Path(machine.python).parent / "vllm-router"
+    if beside_python.exists():
+        return str(beside_python)
+    return shutil.which("vllm-router") or "vllm-router"
+
+
+def router_spec(
+    recipe: Recipe, machine: Machine, worker_urls: Sequence[str], port: int, prometheus_port: int
+) -> ProcessSpec:
+    inf = recipe.inference
+    argv = (
+        router_binary(machine),
+        "--host", machine.host,
+        "--port", str(port),
+        "--worker-urls", *worker_urls,
+        "--policy", inf.router.policy,
+        "--prometheus-host", machine.host,
+        "--prometheus-port", str(prometheus_port),
+        "--request-timeout-secs", str(int(inf.request_timeout_s) + 30),
+        "--health-check-interval-secs", str(ROUTER_HEALTH_CHECK_INTERVAL_S),
+        # Engines are already healthy when the router starts (the supervisor waited for them).
+        "--worker-startup-timeout-secs", "30",
+        "--log-level", "warning",
+    )  # fmt: skip
+    return ProcessSpec(
+        name="router",
+        role="router",
+        argv=argv,
+        ports=(port, prometheus_port),
+        ready=ReadinessCheck(url=f"{engine_url(machine, port)}/liveness", timeout_s=ROUTER_READY_TIMEOUT_S),
+    )

@@ -1,0 +1,71 @@
+"""Facts about this host that a launch plan depends on, detected without importing torch.
+
+``MachineFacts`` is passed into the planner (``skyrl_cli.plan.build.build_plan``) so that plans are
+pure functions and tests can describe any machine (``MachineFacts(cpu_cores=(0, 1), gpus=(0, 1, 2, 3))``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that are free right now (all held open together while choosing)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def default_torch_extensions_dir() -> str:
+    """Where DeepSpeed caches the CPU ops it compiles (fixed, so they are built once per machine)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(cache) / "skyrl" / "torch_extensions")
+
+
+def _cpu_cores() -> tuple[int, ...]:
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
+def _gpus() -> tuple[int, ...]:
+    from skyrl_cli.recipe.validate import visible_gpu_count
+
+    return tuple(range(visible_gpu_count()))
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    cpu_cores: tuple[int, ...]
+    gpus: tuple[int, ...] = ()
+    python: str = field(default_factory=lambda: sys.executable)
+    host: str = "127.0.0.1"
+    torch_extensions_dir: str = field(default_factory=default_torch_extensions_dir)
+    port_finder: Callable[[int], list[int]] = field(default=find_free_ports, compare=False, repr=False)
+
+    @property
+    def cores(self) -> int:
+        return len(self.cpu_cores)
+
+    def free_ports(self, n: int) -> list[int]:
+        return list(self.port_finder(n))
+
+
+def detect_machine() -> MachineFacts:
+    """This host: usable CPU cores (affinity), visible GPUs (CUDA_VISIBLE_DEVICES / nvidia-smi)."""
+    return MachineFacts(cpu_cores=_cpu_cores(), gpus=_gpus())

@@ -1,0 +1,96 @@
+"""The RL stage's plan: vLLM engines, vllm-router, the orchestrator and the torchrun learner.
+
+Process order is start order: engines (services, waited ready), the router (service), then the two
+jobs. The orchestrator and the learner meet in the run directory (``backends.exchange``), so the
+plan only has to give both the same run directory, the initial policy and the URLs.
+
+Devices. On GPUs the trainer takes ``trainer.gpus`` (default: the first ``trainer.ranks`` GPUs) and
+the engines the GPUs after them (``tensor_parallel`` each); asking for more than exists is an error
+naming the key. On CPU the engines are bound one core each (round robin) and the trainer ranks share
+all cores: on a 2-core machine generation and training then compete for the cores, which is why the
+async mode's gain shows in its benchmark with a fixed-time trainer, not on the quickstart's clock.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from skyrl_cli.errors import UsageError
+from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_specs, engine_url, router_spec
+from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
+from skyrl_cli.plan.trainer import trainer_device, trainer_resources, trainer_spec
+from skyrl_cli.recipe.schema import Recipe
+
+ORCHESTRATOR_NAME = "orchestrator"
+LEARNER_MODULE = "backends.train.rl_learner"
+
+
+def init_model_dir(recipe: Recipe, runs_root: Path | None = None) -> Path:
+    """The initial policy: this recipe's SFT output for ``init_from = "sft"``, else the path given
+    (already made absolute by the recipe loader)."""
+    from skyrl_cli.rundir import RUNS_ROOT, sft_output_dir
+
+    if recipe.rl.init_from == "sft":
+        return sft_output_dir(recipe, runs_root or RUNS_ROOT).resolve()
+    return Path(recipe.rl.init_from).resolve()
+
+
+def inference_machine(recipe: Recipe, machine: MachineFacts, device: str) -> Machine:
+    if device == "cuda":
+        taken = set(recipe.trainer.gpus or machine.gpus[: recipe.trainer.ranks])
+        return Machine("cuda", engine_cores=machine.cpu_cores, engine_gpus=tuple(g for g in machine.gpus if g not in taken),
+                       python=machine.python, host=machine.host)  # fmt: skip
+    return Machine("cpu", engine_cores=machine.cpu_cores, python=machine.python, host=machine.host)
+
+
+def orchestrator_spec(
+    run_dir: Path, init_from: Path, router_url: str, engine_urls: list[str], machine: MachineFacts, async_mode: bool, resume: bool
+) -> ProcessSpec:
+    argv = [
+        machine.python, "-m", "backends.rollout.orchestrator",
+        "--run-dir", str(run_dir),
+        "--init-from", str(init_from),
+        "--router-url", router_url,
+        "--engine-urls", ",".join(engine_urls),
+    ]  # fmt: skip
+    if async_mode:
+        argv.append("--async")
+    if resume:
+        argv.append("--resume")
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return ProcessSpec(name=ORCHESTRATOR_NAME, role="orchestrator", argv=tuple(argv), env=env, kind="job")
+
+
+def plan_rl(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts) -> LaunchPlan:
+    if recipe.rl is None:
+        raise UsageError("the recipe has no [rl] section")
+    rl, inf = recipe.rl, recipe.inference
+    world = recipe.trainer.ranks * recipe.trainer.nnodes
+    if rl.prompts_per_step * rl.samples_per_prompt < world:
+        raise UsageError(f"rl.prompts_per_step: {rl.prompts_per_step} x {rl.samples_per_prompt} samples cannot be split over {world} ranks")
+    init_from = init_model_dir(recipe)
+    device = trainer_device(recipe, machine)
+    inf_machine = inference_machine(recipe, machine, device)
+    ports = machine.free_ports(inf.engines + 3)
+    engine_ports, (router_port, prometheus_port, rdzv_port) = ports[: inf.engines], ports[inf.engines :]
+    engines = engine_specs(recipe, inf_machine, engine_ports, str(init_from))
+    urls = all_engine_urls(recipe, inf_machine, engine_ports)
+    router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
+    router_url = engine_url(inf_machine, router_port)
+    trainer = trainer_spec(
+        recipe, run_dir, machine, module=LEARNER_MODULE, resume=resume,
+        resources=trainer_resources(recipe, machine), port=rdzv_port, extra_args=("--init-from", str(init_from)),
+    )  # fmt: skip
+    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, resume)
+    return LaunchPlan(
+        stage="rl",
+        run_dir=str(run_dir),
+        device=device,
+        resume=resume,
+        async_mode=async_mode,
+        world_size=world,
+        engine_urls=tuple(urls),
+        router_url=router_url,
+        processes=(*engines, router, orchestrator, trainer),
+    )

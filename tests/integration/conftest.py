@@ -1,0 +1,175 @@
+"""Shared, session-scoped fixtures for integration tests: a tiny model, and 2 real vLLM engines + the
+vllm-router started once per test session.
+
+    def test_something(engines_and_router):
+        live = engines_and_router
+        live.router_url, live.engine_urls, live.model_dir, live.tokenizer_dir ...
+
+The stack is started on first use and torn down (and checked for leftover processes) at the end of
+the session. Tests may change engine state (weights, version labels) but must put it back: other
+tests share it (``live.restore()`` reloads the original weights with version "0").
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free right now (bound then released)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
+    """A random-init tiny Llama with a character tokenizer, saved as an HF directory."""
+    from backends.models.loading import save_hf
+    from backends.models.tiny import build_tiny_llama
+    from backends.models.tokenizer import build_char_tokenizer
+    from skyrl_cli.recipe.schema import TinyModelInit
+
+    tokenizer = build_char_tokenizer(TINY_ALPHABET)
+    model = build_tiny_llama(TinyModelInit(hidden_size=128, layers=layers, heads=4), tokenizer, seed)
+    return save_hf(model, tokenizer, out_dir)
+
+
+def inference_recipe(engines: int = 2, policy: str = "sticky_least_loaded", **inference):
+    from skyrl_cli.recipe.schema import Recipe
+
+    return Recipe.model_validate(
+        {
+            "name": "itest",
+            "model": {"init": {"hidden_size": 128, "layers": 2, "heads": 4}, "tokenizer": "char"},
+            "data": {"task": "addition"},
+            "rl": {},
+            "inference": {
+                "engines": engines,
+                "router": {"policy": policy},
+                "max_retries": 4,
+                "request_timeout_s": 60,
+                **inference,
+            },
+        }
+    )
+
+
+def cpu_machine():
+    from skyrl_cli.plan.inference import Machine
+
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    return Machine(device="cpu", engine_cores=cores)
+
+
+def process_group_alive(pgid: int) -> bool:
+    """True while any non-zombie process of group ``pgid`` exists."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            return True
+    return False
+
+
+def wait_groups_gone(pgids, timeout_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = list(pgids)
+    while alive and time.monotonic() < deadline:
+        alive = [g for g in alive if process_group_alive(g)]
+        if alive:
+            time.sleep(0.2)
+    return alive
+
+
+@dataclass
+class LiveInference:
+    recipe: object
+    supervisor: object
+    stack: object  # backends.inference.stack.InferenceStack
+    run_dir: Path
+    model_dir: Path
+
+    @property
+    def router_url(self) -> str:
+        return self.stack.router_url
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return self.stack.engine_urls
+
+    @property
+    def engine_names(self) -> list[str]:
+        return self.stack.engine_names
+
+    def client(self, **overrides):
+        """A RolloutClient over the router with the recipe's limits (``overrides`` win)."""
+        from backends.rollout.client import RolloutClient
+
+        inf = self.recipe.inference
+        options = dict(
+            max_concurrency=inf.max_concurrency,
+            timeout_s=inf.request_timeout_s,
+            max_retries=inf.max_retries,
+            max_model_len=inf.max_model_len,
+        )
+        return RolloutClient(self.router_url, **{**options, **overrides})
+
+    def restore(self) -> None:
+        """Original weights, version "0", on every engine (and recorded for recovery)."""
+        from backends.inference.weight_sync import CurrentWeights, record_current_weights, run_blocking, sync_weights
+
+        record_current_weights(self.run_dir, CurrentWeights(str(self.model_dir), "0"))
+        run_blocking(sync_weights(self.engine_urls, self.model_dir, "0"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def engines_and_router(tmp_path_factory, tiny_model_dir):
+    from backends.inference.stack import launch_inference
+    from skyrl_cli.launch.supervisor import Supervisor
+    from skyrl_cli.plan.inference import all_engine_urls, engine_specs, engine_url, router_spec
+
+    recipe = inference_recipe()
+    machine = cpu_machine()
+    run_dir = tmp_path_factory.mktemp("inference-run")
+    *engine_ports, router_port, prometheus_port = free_ports(recipe.inference.engines + 2)
+    engines = engine_specs(recipe, machine, engine_ports, str(tiny_model_dir))
+    urls = all_engine_urls(recipe, machine, engine_ports)
+    router = router_spec(recipe, machine, urls, router_port, prometheus_port)
+    with Supervisor(run_dir) as sup:
+        stack = launch_inference(
+            sup, engines, router, urls, engine_url(machine, router_port), run_dir, metrics_period_s=None
+        )
+        live = LiveInference(recipe, sup, stack, run_dir, tiny_model_dir)
+        try:
+            yield live
+        finally:
+            stack.stop()
+            groups = [p.popen.pid for p in sup.processes.values()]
+    leftover = wait_groups_gone(groups)
+    assert not leftover, f"processes left behind by process groups {leftover}"
