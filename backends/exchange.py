@@ -118,7 +118,11 @@ class RunExchange:
             return None
 
     def wait_version(self, version: int, timeout_s: float | None = None, poll_s: float = 0.05) -> Path:
-        self._wait_for(lambda: (self.latest_version() or -1) >= version, f"weights v{version}", timeout_s, poll_s)
+        def published() -> bool:
+            latest = self.latest_version()
+            return latest is not None and latest >= version
+
+        self._wait_for(published, f"weights v{version}", timeout_s, poll_s)
         return self.weights_dir(self.latest_version())
 
     def prune_weights(self, keep: set[int]) -> None:

@@ -176,8 +176,6 @@ class Orchestrator:
     # ------------------------------------------------------------------------------ weights
     async def watch_weights(self, client, buffer, exchange) -> None:
         """Push every version the learner publishes to the engines, then admit generation on it."""
-        from backends.inference.weight_sync import record_current_weights, sync_weights, CurrentWeights
-
         while self.version < self.rl.steps:
             latest = exchange.latest_version()
             if latest is None or latest <= self.version:
@@ -186,17 +184,23 @@ class Orchestrator:
                 await asyncio.sleep(0.05)
                 continue
             t0 = time.perf_counter()
-            weights_dir = exchange.weights_dir(latest)
-            await sync_weights(
-                self.engine_urls, weights_dir, latest, reset_prefix_cache=self.recipe.rl.async_.reset_prefix_cache
-            )
-            record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(latest)))
+            await self.sync_engines(exchange, latest)
             self.version = latest
             self.events.log(latest, {"timing/sync_weights_s": time.perf_counter() - t0})
             if self.eval_due(latest):
                 await self.evaluate(client, latest)
             self.save_state(buffer, latest)
             await buffer.publish_version(latest)
+
+    async def sync_engines(self, exchange, version: int) -> None:
+        """Every engine onto ``version`` (recorded first, so an engine restarted meanwhile by the
+        recovery loop loads it too); then older published versions are deleted."""
+        from backends.inference.weight_sync import CurrentWeights, record_current_weights, sync_weights
+
+        weights_dir = exchange.weights_dir(version)
+        record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(version)))
+        await sync_weights(self.engine_urls, weights_dir, version, reset_prefix_cache=self.rl.async_.reset_prefix_cache)
+        exchange.prune_weights(keep={v for v in (version, exchange.latest_version()) if v is not None})
 
     def save_state(self, buffer, version: int) -> None:
         """Buffer state for a checkpoint the learner writes at the same version."""
@@ -276,9 +280,7 @@ class Orchestrator:
         buffer = self.restore_buffer()
         async with RolloutClient.from_recipe(self.router_url, self.recipe) as client:
             if self.start > 0:
-                from backends.inference.weight_sync import sync_weights
-
-                await sync_weights(self.engine_urls, exchange.weights_dir(self.start), self.start)
+                await self.sync_engines(exchange, self.start)
             else:
                 await set_weight_version(self.engine_urls, "0")
             self.version = self.start
@@ -309,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     orchestrator = Orchestrator(args)
     try:
         asyncio.run(orchestrator.run())

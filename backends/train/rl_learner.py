@@ -300,8 +300,7 @@ class Learner:
             if (rl.save_every and (step + 1) % rl.save_every == 0) or step + 1 == rl.steps:
                 self.checkpoint(step + 1)
             if self.dist.is_main:
-                self.exchange.drop_batch(step)
-                self.exchange.prune_weights(keep={step, step + 1})
+                self.exchange.drop_batch(step)  # old weights are pruned by the orchestrator, which knows what engines use
         if self.events:
             self.events.close()
 

@@ -74,34 +74,37 @@ def clear_exchange(directory: Path) -> None:
     resumed learner republishes the policy it restarts from, and nothing stale may be read first."""
     for sub in ("batches", "control"):
         shutil.rmtree(directory / sub, ignore_errors=True)
-    (directory / "weights" / "LATEST").unlink(missing_ok=True)
+    for name in ("LATEST", "current.json"):  # engines start on the initial policy, labelled 0
+        (directory / "weights" / name).unlink(missing_ok=True)
 
 
 def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool) -> dict:
+    from backends.inference.stack import launch_inference  # light: httpx only
     from skyrl_cli.errors import LaunchError
     from skyrl_cli.launch.supervisor import Supervisor, log_tail
+    from skyrl_cli.metrics.events import EventWriter
     from skyrl_cli.metrics.follow import FollowedRun
     from skyrl_cli.rundir import prepare_run_dir
 
     prepare_run_dir(directory, recipe, plan, resume=resume, overwrite=overwrite)
     clear_exchange(directory)
     sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
-    services = [p for p in plan.processes if p.kind == "service"]
-    engines = [p.name for p in services if p.role == "engine"]
+    engines = [p for p in plan.processes if p.role == "engine"]
+    (router,) = [p for p in plan.processes if p.role == "router"]
     jobs = [p for p in plan.processes if p.kind == "job"]
     started = time.monotonic()
-    with Supervisor(directory) as supervisor:
-        for spec in services:
-            supervisor.start(spec)
-            if spec.role == "router":  # engines load in parallel; the router needs them up
-                supervisor.wait_ready(engines)
-        supervisor.wait_ready([s.name for s in services])
+    with Supervisor(directory) as supervisor, EventWriter(directory / "events.jsonl", "inference") as writer:
+        stack = launch_inference(
+            supervisor, engines, router, plan.engine_urls, plan.router_url, directory,
+            writer=writer, step_fn=lambda: latest_version(directory),
+        )  # fmt: skip
         for spec in jobs:
             supervisor.start(spec)
         extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(directory / "final")}
         with FollowedRun(directory, sinks, summary_extra=extra) as run:
             for spec in reversed(jobs):  # the learner first: the orchestrator finishes after it
-                code = supervisor.wait_job(spec.name, on_tick=run.poll)
+                # Engines may die and come back (stack.recovery); the router may not.
+                code = supervisor.wait_job(spec.name, on_tick=run.poll, fatal_services=[router.name])
                 if code != 0:
                     proc = supervisor.processes[spec.name]
                     tail = log_tail(proc.log_path, 25)
@@ -109,7 +112,15 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
             publish_final_model(directory)
             run.summary_extra.update(initial_and_final_accuracy(directory))
             run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
+        stack.stop()
     return run.summary or {}
+
+
+def latest_version(directory: Path) -> int:
+    try:
+        return int((directory / "weights" / "LATEST").read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def publish_final_model(directory: Path) -> None:

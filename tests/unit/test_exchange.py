@@ -42,7 +42,10 @@ def test_batch_round_trip_and_wait(tmp_path):
 def test_weights_versions_and_latest(tmp_path):
     ex = RunExchange(tmp_path)
     assert ex.latest_version() is None
-    for v in (0, 1, 2):
+    with ex.publish_weights(0) as d:
+        (d / "w").write_text("0")
+    assert (ex.wait_version(0, timeout_s=1) / "w").read_text() == "0"  # version 0 counts as published
+    for v in (1, 2):
         with ex.publish_weights(v) as d:
             (d / "w").write_text(str(v))
     assert ex.latest_version() == 2
