@@ -199,7 +199,8 @@ class Orchestrator:
 
         weights_dir = exchange.weights_dir(version)
         record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(version)))
-        await sync_weights(self.engine_urls, weights_dir, version, reset_prefix_cache=self.rl.async_.reset_prefix_cache)
+        result = await sync_weights(self.engine_urls, weights_dir, version, reset_prefix_cache=self.rl.async_.reset_prefix_cache)
+        print(f"engines on policy version {version} ({result.seconds:.3f} s)", flush=True)
         exchange.prune_weights(keep={v for v in (version, exchange.latest_version()) if v is not None})
 
     def save_state(self, buffer, version: int) -> None:

@@ -266,6 +266,10 @@ class Learner:
             remove_leftovers(self.run_dir)
         if self.events:
             self.events.log(self.start_step, {"progress/total_steps": rl.steps})
+        import torch.distributed as tdist
+
+        if tdist.is_initialized():
+            tdist.barrier()  # every rank reads LATEST before anyone publishes: all take the same branch
         if self.exchange.latest_version() != self.start_step:
             self.publish(self.start_step)  # the orchestrator's starting point (also after a resume)
         self.say(f"learner ready: world {self.dist.world_size}, ZeRO-{self.recipe.trainer.zero_stage}, from step {self.start_step}")

@@ -23,6 +23,19 @@ from skyrl_cli.plan.trainer import trainer_device, trainer_resources, trainer_sp
 from skyrl_cli.recipe.schema import Recipe
 
 ORCHESTRATOR_NAME = "orchestrator"
+# Attention head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py);
+# the GPU backends accept all of them too.
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_servable(recipe: Recipe) -> None:
+    """A tiny model the engines cannot serve must fail here, not minutes later inside vLLM."""
+    init = recipe.model.init
+    if init is not None and init.hidden_size // init.heads not in VLLM_HEAD_SIZES:
+        raise UsageError(
+            f"model.init: head size hidden_size / heads = {init.hidden_size // init.heads} cannot be served by vLLM "
+            f"(supported: {', '.join(map(str, VLLM_HEAD_SIZES))}); change hidden_size or heads"
+        )
 LEARNER_MODULE = "backends.train.rl_learner"
 
 
@@ -66,6 +79,7 @@ def plan_rl(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machi
     if recipe.rl is None:
         raise UsageError("the recipe has no [rl] section")
     rl, inf = recipe.rl, recipe.inference
+    check_servable(recipe)
     world = recipe.trainer.ranks * recipe.trainer.nnodes
     if rl.prompts_per_step * rl.samples_per_prompt < world:
         raise UsageError(f"rl.prompts_per_step: {rl.prompts_per_step} x {rl.samples_per_prompt} samples cannot be split over {world} ranks")

@@ -1,0 +1,121 @@
+"""The RL stage end to end on the real stack: vLLM engine(s) + vllm-router + orchestrator + a
+2-rank DeepSpeed learner on the tiny model.
+
+- unified SFT + RL: ``skyrl rl --async`` on a recipe whose SFT output does not exist runs SFT first;
+  no sample is trained beyond the staleness bound; engine and trainer logprobs agree;
+- ``--resume``: a run stopped after its step-2 checkpoint continues from it, and the engines are put
+  on the resumed weights before generating again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SKYRL = Path(sys.executable).parent / "skyrl"
+ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions"))}
+
+RECIPE = """
+name = "rltest"
+seed = 1
+
+[model]
+init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128 }
+tokenizer = "char"
+
+[data]
+task = "addition"
+digits = 2
+eval_size = 16
+
+[sft]
+steps = 30
+batch_size = 32
+learning_rate = 3e-3
+warmup_steps = 5
+eval_every = 0
+save_every = 0
+
+[rl]
+init_from = "sft"
+steps = 3
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 4
+eval_every = 0
+save_every = 1
+async = { max_staleness = 1 }
+
+[inference]
+engines = 1
+max_num_seqs = 32
+
+[trainer]
+ranks = 2
+zero_stage = 2
+"""
+
+
+def skyrl(cwd: Path, *args) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def events(run_dir: Path, name: str, process: str | None = None) -> list[tuple[int, float]]:
+    from skyrl_cli.metrics.events import iter_events
+
+    return [
+        (e.step, e.value)
+        for e in iter_events(run_dir / "events.jsonl")
+        if e.name == name and (process is None or e.process == process)
+    ]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rl")
+    (root / "recipe.toml").write_text(RECIPE)
+    return root
+
+
+def test_async_rl_runs_sft_first_and_respects_the_staleness_bound(workdir):
+    proc = skyrl(workdir, "rl", "recipe.toml", "--async", "--quiet")
+    assert "running the recipe's SFT stage first" in proc.stderr
+    assert (workdir / "runs/rltest/sft/final/config.json").exists()
+    run = workdir / "runs/rltest/rl"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] and summary["async"] is True
+    assert {"eval_accuracy_initial", "eval_accuracy_final"} <= set(summary)
+    assert [s for s, _ in events(run, "train/policy_loss")] == [1, 2, 3]
+    staleness = [v for _, v in events(run, "async/staleness_max", "trainer")]
+    assert staleness and max(staleness) <= 1
+    # The health check of the pipeline: the engine sampled from the weights the trainer holds.
+    diffs = [v for _, v in events(run, "train/logprob_diff")]
+    assert diffs and max(diffs) < 0.05, diffs
+    assert (run / "final/config.json").exists()
+    assert "rl done: held-out accuracy" in proc.stdout
+
+
+def test_resume_continues_from_the_checkpoint_on_the_engines(workdir):
+    run = workdir / "runs/rltest/rl-resume"
+    skyrl(workdir, "rl", "recipe.toml", "--run-dir", run, "--set", "rl.steps=2", "--quiet")
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
+    skyrl(workdir, "rl", "recipe.toml", "--run-dir", run, "--resume", "--quiet")
+    trainer_log = (run / "logs/trainer.log").read_text()
+    assert "at step 2" in trainer_log.split("resumed from")[-1].splitlines()[0]
+    orchestrator_log = (run / "logs/orchestrator.log").read_text().split("=== ")[-1]
+    # After the resume, the first thing the engines get is the checkpoint's policy (version 2).
+    versions = [int(line.split()[4]) for line in orchestrator_log.splitlines() if line.startswith("engines on policy version")]
+    assert versions[:2] == [2, 3], versions
+    steps = [s for s, _ in events(run, "train/policy_loss")]
+    assert steps == [1, 2, 3]
