@@ -243,6 +243,7 @@ class Orchestrator:
                 "rollout/tokens_per_s": self.window_tokens / max(elapsed, 1e-9),
                 "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
                 "rollout/response_len": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
+                "rollout/turns_mean": sum(s.num_turns for s in samples) / max(1, len(samples)),
                 "rollout/groups": len(taken.groups),
                 "rollout/errors": self.errors,
                 "timing/wait_for_batch_s": time.perf_counter() - t0,

@@ -119,3 +119,34 @@ def test_resume_continues_from_the_checkpoint_on_the_engines(workdir):
     assert versions[:2] == [2, 3], versions
     steps = [s for s, _ in events(run, "train/policy_loss")]
     assert steps == [1, 2, 3]
+
+
+TWO_TURN_ENV = '''
+from backends.rollout.environments import Environment, StepResult
+
+
+class TwoTurns(Environment):
+    """Ask, then ask again with an observation; reward 1 when both answers agree."""
+
+    def reset(self, row):
+        self.answers = []
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, response):
+        self.answers.append(response)
+        if len(self.answers) == 1:
+            return StepResult(observation=[{"role": "user", "content": "="}], reward=0.0, done=False)
+        return StepResult(reward=float(self.answers[0] == self.answers[1]), done=True)
+'''
+
+
+def test_custom_multi_turn_environment(workdir):
+    (workdir / "two_turn_env.py").write_text(TWO_TURN_ENV)
+    run = workdir / "runs/rltest/rl-env"
+    skyrl(
+        workdir, "rl", "recipe.toml", "--run-dir", run, "--quiet",
+        "--set", "rl.environment=two_turn_env:TwoTurns", "--set", "rl.max_turns=2", "--set", "rl.steps=1",
+    )  # fmt: skip
+    assert [v for _, v in events(run, "rollout/turns_mean")] == [2.0]
+    assert [v for _, v in events(run, "rollout/errors")] == [0.0]
+    assert [s for s, _ in events(run, "train/policy_loss")] == [1]
