@@ -54,7 +54,7 @@ def assistant_spans(tokenizer, messages: Messages, loss_on: LossOn) -> tuple[str
         if message.get("role") != "assistant":
             continue
         before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        through = render(tokenizer, messages[: i + 1])
+        through = full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1])
         if not (full.startswith(before) and full.startswith(through)):
             raise ValueError(
                 "the chat template renders a conversation prefix differently from the whole conversation; "
@@ -68,15 +68,34 @@ def assistant_spans(tokenizer, messages: Messages, loss_on: LossOn) -> tuple[str
 
 def encode_conversation(tokenizer, messages: Messages, loss_on: LossOn = "assistant", max_length: int | None = None) -> Example:
     """Token ids of a whole conversation and its loss mask, truncated to ``max_length`` tokens."""
-    text, spans = assistant_spans(tokenizer, messages, loss_on)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
-    if ids:
-        mask[0] = 0  # the first token has no prediction
-    if max_length is not None:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return Example(tuple(ids), tuple(mask))
+    return encode_conversations(tokenizer, [messages], loss_on, max_length)[0]
+
+
+def encode_conversations(
+    tokenizer, conversations: Sequence[Messages], loss_on: LossOn = "assistant", max_length: int | None = None
+) -> list[Example]:
+    """``encode_conversation`` for many conversations (one batched tokenizer call)."""
+    rendered = [assistant_spans(tokenizer, conv, loss_on) for conv in conversations]
+    if not rendered:
+        return []
+    texts = [text for text, _ in rendered]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers: skip the Python wrapping
+    if backend is not None:
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        pairs = [(e.ids, e.offsets) for e in encodings]
+    else:
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        pairs = list(zip(enc["input_ids"], enc["offset_mapping"]))
+    out = []
+    for (text, spans), (ids, offsets) in zip(rendered, pairs):
+        in_loss = bytearray(len(text) + 1)
+        for lo, hi in spans:
+            in_loss[lo:hi] = b"\x01" * (hi - lo)
+        mask = [in_loss[start] for start, _ in offsets]
+        if mask:
+            mask[0] = 0  # the first token has no prediction
+        out.append(Example(tuple(ids[:max_length]), tuple(mask[:max_length])))
+    return out
 
 
 def to_messages(row: dict, fmt: Literal["auto", "messages", "prompt_completion"] = "auto") -> list[dict]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from backends.data.chat import Example, encode_conversation, encode_prompt, split_reference, to_messages
+from backends.data.chat import Example, encode_conversations, encode_prompt, split_reference, to_messages
 from backends.data.files import load_rows
 from backends.data.tasks import Task, exact_match, get_task
 from skyrl_cli.recipe.schema import DataConfig
@@ -78,11 +78,26 @@ def load_source(data: DataConfig, seed: int) -> SourceRows:
     return SourceRows(train, evals, None)
 
 
-def build_sft_data(source: SourceRows, tokenizer, data: DataConfig) -> SftData:
-    encode = lambda conv: encode_conversation(tokenizer, conv, data.loss_on, data.max_length)  # noqa: E731
-    train = [encode(conv) for conv in source.train]
+def build_sft_data(
+    source: SourceRows,
+    tokenizer,
+    data: DataConfig,
+    shard: tuple[int, int] = (0, 1),
+    gather: Callable[[list], list] | None = None,
+) -> SftData:
+    """Tokenize the rows. With ``shard=(rank, world_size)`` and ``gather`` (concatenates every
+    rank's list in rank order), each rank encodes one contiguous block of the training rows."""
+    rank, world = shard
+    block = -(-len(source.train) // world)
+    mine = encode_conversations(tokenizer, source.train[rank * block : (rank + 1) * block], data.loss_on, data.max_length)
+    train = gather(mine) if gather is not None else mine
     kept = [ex for ex in train if ex.loss_tokens > 0]
-    evals = [ex for ex in (encode(conv) for conv in source.eval) if ex.loss_tokens > 0]
+    if not kept:
+        raise ValueError(
+            f"no training sequence keeps a loss token (data.loss_on = {data.loss_on!r}, "
+            f"data.max_length = {data.max_length}); raise data.max_length"
+        )
+    evals = [ex for ex in encode_conversations(tokenizer, source.eval, data.loss_on, data.max_length) if ex.loss_tokens > 0]
     items = []
     for i, conv in enumerate(source.eval):
         prompt, reference = split_reference(conv)

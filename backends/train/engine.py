@@ -120,6 +120,17 @@ def all_reduce_sum(values: Sequence[float], device) -> list[float]:
     return t.tolist()
 
 
+def all_gather_list(items: list) -> list:
+    """Every rank's list, concatenated in rank order (the same result on all ranks)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(items)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
 def train_step(engine, micro_batches: Sequence[MicroBatch], global_loss_tokens: int, world_size: int) -> float:
     """One optimizer step over this rank's micro-batches; returns this rank's summed NLL.
 

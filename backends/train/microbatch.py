@@ -74,6 +74,13 @@ def padding_microbatch(pad_id: int) -> MicroBatch:
     return MicroBatch(one, torch.zeros_like(one), torch.full_like(one, IGNORE), 0, is_padding=True)
 
 
+def rank_micro_batches(batch: Sequence, layout, rank: int, pad_id: int) -> list[MicroBatch]:
+    """This rank's micro-batches of a ``StepLayout`` over ``batch``, padding ones appended so that
+    every rank runs ``layout.num_microbatches``."""
+    mine = [collate([batch[i] for i in mb], layout.layout, pad_id) for mb in layout.per_rank[rank]]
+    return mine + [padding_microbatch(pad_id)] * layout.padding_microbatches(rank)
+
+
 def forward_logits(model, mb: MicroBatch) -> torch.Tensor:
     # use_cache=False: with a cache, transformers skips the packed-sequence mask (and we never decode here)
     return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits

@@ -7,9 +7,9 @@ One optimizer step's global batch (sequence lengths, indexed 0..n-1) is laid out
    go one by one to the data-parallel rank holding the fewest tokens, so every rank gets about the
    same number of TOKENS (not sequences).
 2. Per rank, sequences are packed into micro-batches under a token budget ``max_tokens``:
-   - ``pack_padded``: sorted by length, a micro-batch grows while ``count * longest <= max_tokens``
-     (its padded size). Neighbouring lengths are close, so right-padding wastes little, and the
-     attention cost stays ``sum(L^2)``. Used where attention has no variable-length kernel (CPU
+   - ``pack_padded``: sorted by length, contiguous runs with ``count * longest <= max_tokens`` (the
+     padded size), chosen to minimise padded slots plus a per-micro-batch overhead. Neighbouring
+     lengths are close, so right-padding wastes little, and the attention cost stays ``sum(L^2)``. Used where attention has no variable-length kernel (CPU
      sdpa/eager: a block-diagonal mask over one packed row still costs ``(sum L)^2``).
    - ``pack_padding_free``: first-fit decreasing with ``sum(lengths) <= max_tokens``; the sequences
      are concatenated in one row with restarting position ids (flash-attention varlen on GPUs).
@@ -46,15 +46,35 @@ def balance_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[i
     return shards
 
 
-def pack_padded(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Micro-batches whose padded size (count x longest) fits ``max_tokens``."""
-    batches: list[list[int]] = []
-    for i in _by_length_desc(indices, lengths):
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
+MICROBATCH_OVERHEAD_TOKENS = 128  # fixed cost of one more micro-batch (launches, weight reads), in token slots
+
+
+def pack_padded(
+    indices: Sequence[int], lengths: Sequence[int], max_tokens: int, overhead_tokens: int = MICROBATCH_OVERHEAD_TOKENS
+) -> list[list[int]]:
+    """Micro-batches whose padded size (count x longest) fits ``max_tokens``, with the least total
+    cost ``sum(count x longest) + overhead_tokens x micro-batches``.
+
+    Sorted by length, the best micro-batches are contiguous runs, so an exact dynamic programme over
+    the run boundaries finds them (each run is bounded by the budget, so it is cheap)."""
+    order = _by_length_desc(indices, lengths)
+    n = len(order)
+    best = [0] + [float("inf")] * n  # best[j]: cost of packing order[:j]
+    cut = [0] * (n + 1)
+    for i in range(n):  # a run starting at i: its longest is order[i]
+        longest = lengths[order[i]]
+        for j in range(i + 1, n + 1):
+            size = (j - i) * longest
+            if size > max_tokens and j > i + 1:
+                break
+            cost = best[i] + size + overhead_tokens
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    batches, j = [], n
+    while j > 0:
+        batches.append(order[cut[j] : j])
+        j = cut[j]
+    return batches[::-1]
 
 
 def pack_padding_free(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -117,10 +137,19 @@ class StepLayout:
         return max(tokens) / mean if mean else 1.0
 
 
-def dynamic_layout(lengths: Sequence[int], world_size: int, max_tokens: int, layout: Layout = "padded") -> StepLayout:
-    pack = pack_padding_free if layout == "padding_free" else pack_padded
+def dynamic_layout(
+    lengths: Sequence[int],
+    world_size: int,
+    max_tokens: int,
+    layout: Layout = "padded",
+    overhead_tokens: int = MICROBATCH_OVERHEAD_TOKENS,
+) -> StepLayout:
     shards = balance_across_ranks(lengths, world_size)
-    return StepLayout(tuple(tuple(tuple(mb) for mb in pack(shard, lengths, max_tokens)) for shard in shards), layout)
+    if layout == "padding_free":
+        per_rank = [pack_padding_free(shard, lengths, max_tokens) for shard in shards]
+    else:
+        per_rank = [pack_padded(shard, lengths, max_tokens, overhead_tokens) for shard in shards]
+    return StepLayout(tuple(tuple(tuple(mb) for mb in mbs) for mbs in per_rank), layout)
 
 
 def fixed_layout(n: int, world_size: int, micro_batch_size: int) -> StepLayout:

@@ -65,13 +65,6 @@ class Window:
         self.started = time.perf_counter()
 
 
-def step_micro_batches(batch, layout, rank: int, pad_id: int):
-    from backends.train.microbatch import collate, padding_microbatch
-
-    mine = [collate([batch[i] for i in mb], layout.layout, pad_id) for mb in layout.per_rank[rank]]
-    return mine + [padding_microbatch(pad_id)] * layout.padding_microbatches(rank)
-
-
 def step_layout(lengths, recipe: Recipe, world_size: int, layout_kind: str):
     from backends.train.packing import dynamic_layout, fixed_layout
 
@@ -92,11 +85,12 @@ def train(run_dir: Path, resume: bool) -> None:
     import deepspeed
 
     from backends.data.sft import batch_indices, build_sft_data, load_source
-    from backends.models.loading import load_model, load_tokenizer_for
+    from backends.models.loading import load_model, load_tokenizer_for, torch_dtype
     from backends.models.lora import apply_lora
     from backends.train.checkpoint import latest_checkpoint, load_checkpoint, publish_dir, remove_leftovers, save_checkpoint
-    from backends.train.engine import all_reduce_sum, grad_norm, init_distributed, make_engine, train_step
+    from backends.train.engine import all_gather_list, all_reduce_sum, grad_norm, init_distributed, make_engine, train_step
     from backends.train.evaluate import eval_accuracy, eval_loss
+    from backends.train.microbatch import rank_micro_batches
     from backends.train.schedule import schedule
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -115,7 +109,7 @@ def train(run_dir: Path, resume: bool) -> None:
     started = time.perf_counter()
     source = load_source(recipe.data, recipe.seed)
     tokenizer = load_tokenizer_for(recipe.model, source.alphabet())
-    data = build_sft_data(source, tokenizer, recipe.data)
+    data = build_sft_data(source, tokenizer, recipe.data, shard=(dist.rank, dist.world_size), gather=all_gather_list)
     say(f"data: {len(data.train)} train / {len(data.eval)} eval sequences ({data.dropped} dropped) "
         f"in {time.perf_counter() - started:.1f}s")
 
@@ -124,7 +118,7 @@ def train(run_dir: Path, resume: bool) -> None:
     layout_kind = packed_layout_kind(model)
     if recipe.model.lora is not None:
         model = apply_lora(model, recipe.model.lora)
-    bf16 = recipe.model.dtype == "bfloat16" or (recipe.model.dtype == "auto" and dist.on_gpu)
+    bf16 = torch_dtype(recipe.model, dist.device.type) == torch.bfloat16
     engine, scheduler = make_engine(
         model,
         lr=sft.learning_rate,
@@ -173,7 +167,7 @@ def train(run_dir: Path, resume: bool) -> None:
         batch = [data.train[i] for i in batch_indices(recipe.seed, step, sft.batch_size, n_train)]
         lengths = [len(ex) for ex in batch]
         layout = step_layout(lengths, recipe, dist.world_size, layout_kind)
-        micro_batches = step_micro_batches(batch, layout, dist.rank, pad_id)
+        micro_batches = rank_micro_batches(batch, layout, dist.rank, pad_id)
         loss_tokens = sum(ex.loss_tokens for ex in batch)
         lr = scheduler.get_last_lr()[0]
         window.nll += train_step(engine, micro_batches, loss_tokens, dist.world_size)

@@ -133,8 +133,21 @@ def engine_argv(recipe: Recipe, machine: Machine, port: int, model_dir: str, ind
     if inf.speculative is not None:
         argv += ["--speculative-config", speculative_config_json(inf.speculative)]
     if recipe.model.lora is not None:
-        argv += ["--enable-lora", "--max-lora-rank", str(recipe.model.lora.rank), "--max-loras", "1"]
+        rank = vllm_lora_rank(recipe.model.lora.rank)
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
     return tuple(argv)
+
+
+# The values vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise UsageError(f"model.lora.rank = {rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
 
 
 def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, str], tuple[str, ...]]:

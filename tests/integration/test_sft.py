@@ -1,0 +1,262 @@
+"""The SFT stage on the real stack: torchrun, 2 CPU ranks, DeepSpeed, the tiny model.
+
+- one optimizer step with dynamic micro-batching (2 ranks, ZeRO-2, uneven micro-batch counts
+  padded with zero-weight ones) equals one plain-torch step on the whole batch in one process;
+- a run killed mid-way and resumed ends exactly like an uninterrupted one (same seed);
+- ``skyrl sft`` end to end: summary, checkpoints, an HF model that transformers loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SKYRL = Path(sys.executable).parent / "skyrl"
+ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions"))}
+
+
+def write_recipe(path: Path, body: str) -> Path:
+    path.write_text('name = "itest"\nseed = 3\n' + body)
+    return path
+
+
+def skyrl(*args, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def events(run_dir: Path, name: str) -> list[tuple[int, float]]:
+    from skyrl_cli.metrics.events import iter_events
+
+    return [(e.step, e.value) for e in iter_events(run_dir / "events.jsonl") if e.name == name]
+
+
+# ------------------------------------------------------------------------------- one step, 2 ranks
+
+ONE_STEP = """
+[model]
+init = { hidden_size = 64, layers = 2, heads = 4, intermediate_size = 128 }
+tokenizer = "char"
+
+[data]
+train = "{train}"
+eval_size = 4
+
+[sft]
+steps = 1
+batch_size = 16
+learning_rate = 1e-3
+warmup_steps = 0
+weight_decay = 0.01
+grad_clip = 0.5
+max_tokens_per_microbatch = 64
+eval_every = 0
+save_every = 0
+
+[trainer]
+ranks = 2
+zero_stage = 2
+
+[logging]
+log_every = 1
+"""
+
+
+def long_tailed_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        text = "".join(rng.choice("abcdefgh") for _ in range(min(40, int(rng.paretovariate(1.2) * 3))))
+        rows.append({"prompt": text, "completion": text[::-1]})
+    return rows
+
+
+def reference_step(recipe) -> dict:
+    """One AdamW step on the whole global batch, in this process, in plain torch."""
+    import torch
+
+    from backends.data.sft import batch_indices, build_sft_data, load_source
+    from backends.models.loading import load_model, load_tokenizer_for
+    from backends.train.microbatch import collate, token_nll_sum
+    from backends.train.schedule import lr_factor
+
+    sft = recipe.sft
+    source = load_source(recipe.data, recipe.seed)
+    tokenizer = load_tokenizer_for(recipe.model, source.alphabet())
+    data = build_sft_data(source, tokenizer, recipe.data)
+    model = load_model(recipe.model, tokenizer, recipe.seed)
+    batch = [data.train[i] for i in batch_indices(recipe.seed, 0, sft.batch_size, len(data.train))]
+    loss = token_nll_sum(model, collate(batch, "padded", tokenizer.pad_token_id)) / sum(ex.loss_tokens for ex in batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), sft.grad_clip)
+    lr = sft.learning_rate * lr_factor(0, warmup=sft.warmup_steps, total=sft.steps, kind=sft.schedule, min_ratio=sft.min_lr_ratio)
+    torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=sft.weight_decay).step()
+    return {k: v.detach() for k, v in model.state_dict().items()}, [len(ex) for ex in batch]
+
+
+def test_two_rank_dynamic_step_equals_single_process_step(tmp_path):
+    from safetensors.torch import load_file
+
+    from backends.train.packing import dynamic_layout
+    from skyrl_cli.recipe.schema import Recipe
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in long_tailed_rows(200)))
+    recipe_path = write_recipe(tmp_path / "one_step.toml", ONE_STEP.replace("{train}", str(train)))
+    run_dir = tmp_path / "run"
+    skyrl("sft", recipe_path, "--run-dir", run_dir, "--quiet")
+
+    recipe = Recipe.model_validate_json((run_dir / "recipe.resolved.json").read_text())
+    expected, lengths = reference_step(recipe)
+    # the step really was split unevenly: several micro-batches, padding ones on one rank
+    layout = dynamic_layout(lengths, 2, recipe.sft.max_tokens_per_microbatch)
+    assert layout.num_microbatches >= 2 and layout.padding_microbatches() >= 1, layout
+    assert events(run_dir, "train/padding_microbatches") == [(1, layout.padding_microbatches())]
+
+    trained = load_file(run_dir / "final" / "model.safetensors")
+    assert set(trained) == set(expected)
+    worst = max(float((trained[k] - expected[k]).abs().max()) for k in expected)
+    moved = max(float((trained[k] - load_initial(recipe)[k]).abs().max()) for k in expected)
+    assert moved > 1e-4  # the step did change the weights
+    assert worst < 1e-5, f"parameters differ by up to {worst}"
+
+
+def load_initial(recipe) -> dict:
+    from backends.data.sft import load_source
+    from backends.models.loading import load_model, load_tokenizer_for
+
+    tokenizer = load_tokenizer_for(recipe.model, load_source(recipe.data, recipe.seed).alphabet())
+    return load_model(recipe.model, tokenizer, recipe.seed).state_dict()
+
+
+# ----------------------------------------------------------------------------------- kill + resume
+
+RESUMABLE = """
+[model]
+init = { hidden_size = 128, layers = 2, heads = 4, intermediate_size = 256 }
+tokenizer = "char"
+
+[data]
+task = "addition"
+train_size = 2000
+eval_size = 50
+
+[sft]
+steps = 16
+batch_size = 64
+learning_rate = 3e-3
+warmup_steps = 2
+eval_every = 0
+save_every = 4
+keep_last = 2
+
+[trainer]
+ranks = 2
+zero_stage = 2
+
+[logging]
+log_every = 1
+"""
+
+
+def run_until_checkpoint_then_kill(recipe_path: Path, run_dir: Path, step: int) -> None:
+    """Start the trainer of the plan directly and SIGKILL its process group once checkpoint
+    ``step`` is complete (the trainer is then mid-run)."""
+    from skyrl_cli.commands.common import load_for_run
+    from skyrl_cli.plan.build import build_plan
+    from skyrl_cli.rundir import prepare_run_dir
+
+    recipe = load_for_run(str(recipe_path), None, "sft", gpu_count=0)
+    plan = build_plan(recipe, "sft", run_dir)
+    prepare_run_dir(run_dir, recipe, plan)
+    (spec,) = plan.processes
+    with open(run_dir / "logs" / "trainer.log", "ab") as log:
+        proc = subprocess.Popen(spec.argv, env={**ENV, **spec.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints" / f"step-{step}" / "trainer_state.json").exists():
+            assert proc.poll() is None, (run_dir / "logs" / "trainer.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """An uninterrupted ``skyrl sft --json`` run of RESUMABLE: (recipe path, run dir, CLI output)."""
+    root = tmp_path_factory.mktemp("straight")
+    recipe_path = write_recipe(root / "resumable.toml", RESUMABLE)
+    proc = skyrl("sft", recipe_path, "--run-dir", root / "run", "--json")
+    return recipe_path, root / "run", proc.stdout
+
+
+def test_killed_run_resumes_to_the_same_final_loss(tmp_path, straight_run):
+    recipe_path, straight, _ = straight_run
+    interrupted = tmp_path / "interrupted"
+    run_until_checkpoint_then_kill(recipe_path, interrupted, step=4)
+    assert not (interrupted / "final").exists(), "the run finished before it was killed"
+    stopped_at = max(s for s, _ in events(interrupted, "train/loss"))
+    assert stopped_at < 16
+
+    skyrl("sft", recipe_path, "--run-dir", interrupted, "--resume", "--quiet")
+    log = (interrupted / "logs" / "trainer.log").read_text()
+    assert "resumed from" in log
+
+    final_straight = events(straight, "train/loss")[-1]
+    final_resumed = events(interrupted, "train/loss")[-1]
+    assert final_straight[0] == final_resumed[0] == 16
+    assert final_resumed[1] == pytest.approx(final_straight[1], abs=1e-6)
+    # the same losses at every step after the resume point (the data order continued)
+    straight_losses = dict(events(straight, "train/loss"))
+    resumed_losses = {s: v for s, v in events(interrupted, "train/loss")}
+    for step in range(5, 17):
+        assert resumed_losses[step] == pytest.approx(straight_losses[step], abs=1e-6), step
+    # keep_last = 2 complete checkpoints, no partial ones left behind
+    names = sorted(p.name for p in (interrupted / "checkpoints").iterdir())
+    assert names == ["step-12", "step-16"]
+
+
+# ------------------------------------------------------------------------------------ CLI summary
+
+
+def test_cli_run_writes_summary_and_a_loadable_model(straight_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, run_dir, stdout = straight_run
+    last = json.loads(stdout.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert last["summary"]["metrics"] == summary["metrics"]
+    assert summary["completed"] is True and summary["steps"] == 16
+    for name in ("train/loss", "train/lr", "train/grad_norm", "train/num_microbatches", "train/packing_efficiency",
+                 "train/padding_microbatches", "eval/loss", "eval/accuracy", "progress/total_steps"):  # fmt: skip
+        assert name in summary["metrics"], name
+    assert summary["throughput"]["train/tokens_per_s"]["mean"] > 0
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "001+002="}], add_generation_prompt=True, return_dict=False)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > len(ids)
+
+
+def test_trainer_failure_reports_the_log(tmp_path):
+    recipe_path = write_recipe(tmp_path / "bad.toml", RESUMABLE.replace('task = "addition"\n', 'task = "addition"\nmax_length = 8\n'))
+    proc = skyrl("sft", recipe_path, "--run-dir", tmp_path / "run", "--quiet", check=False)
+    assert proc.returncode == 1
+    assert "the trainer failed" in proc.stderr and "trainer.log" in proc.stderr

@@ -1,0 +1,43 @@
+"""Checkpoint directories: only complete ones count, leftovers of a killed run are removed."""
+
+from __future__ import annotations
+
+from backends.train.checkpoint import STATE_FILE, complete_checkpoints, latest_checkpoint, publish_dir, remove_leftovers
+
+
+def _checkpoint(root, name, complete=True):
+    path = root / "checkpoints" / name
+    path.mkdir(parents=True)
+    if complete:
+        (path / STATE_FILE).write_text("{}")
+    return path
+
+
+def test_only_complete_step_directories_count(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    _checkpoint(tmp_path, "step-4")
+    _checkpoint(tmp_path, "step-12")
+    _checkpoint(tmp_path, "step-16", complete=False)  # no trainer_state.json: never published
+    _checkpoint(tmp_path, ".tmp-step-20")
+    _checkpoint(tmp_path, "notes")
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 12]  # numeric order, not text order
+    assert latest_checkpoint(tmp_path).name == "step-12"
+
+
+def test_leftovers_are_removed(tmp_path):
+    _checkpoint(tmp_path, ".tmp-step-8")
+    _checkpoint(tmp_path, ".trash-step-2")
+    keep = _checkpoint(tmp_path, "step-4")
+    remove_leftovers(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [keep.name]
+
+
+def test_publish_replaces_atomically(tmp_path):
+    old, new = tmp_path / "final", tmp_path / ".tmp-final"
+    old.mkdir()
+    (old / "a").write_text("old")
+    new.mkdir()
+    (new / "a").write_text("new")
+    publish_dir(new, old)
+    assert (old / "a").read_text() == "new" and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
