@@ -129,8 +129,7 @@ class EngineRecovery:
             self.supervisor.restart(name)
             self.supervisor.wait_ready([name], timeout_s=self.ready_timeout_s)
             self._load_current_weights(url)
-            self.router.add_worker(url)
-            self.router.wait_for_workers([url])
+            self.router.ensure_worker(url)
         except Exception as err:  # noqa: BLE001 - try again at the next pass
             log.error("recovery of %s failed: %s", name, err)
             return False
@@ -154,7 +153,7 @@ class EngineRecovery:
         elif healthy and url in self._removed_remote:
             try:
                 self._load_current_weights(url)
-                self.router.add_worker(url)
+                self.router.ensure_worker(url)
                 self._removed_remote.discard(url)
                 log.warning("remote engine %s is back in the router", url)
             except Exception as err:  # noqa: BLE001

@@ -29,6 +29,18 @@ class RouterAdmin:
     def remove_worker(self, worker_url: str) -> None:
         self._check(self.http.post(f"{self.url}/remove_worker", params={"url": worker_url}), f"remove_worker {worker_url}")
 
+    def ensure_worker(self, worker_url: str, timeout_s: float = 30.0) -> None:
+        """Put ``worker_url`` in rotation, whether or not the router still lists it (its own health
+        checker may or may not have dropped a worker that died), and wait until it is listed."""
+        url = worker_url.rstrip("/")
+        if url not in self.list_workers():
+            try:
+                self.add_worker(url)
+            except SkyrlError:
+                if url not in self.list_workers():  # added concurrently: fine; otherwise a real failure
+                    raise
+        self.wait_for_workers([url], timeout_s)
+
     def get_loads(self) -> dict:
         return self._check(self.http.get(f"{self.url}/get_loads"), "get_loads").json()
 

@@ -9,6 +9,8 @@ Why not the ``vllm`` console script:
   watchdog thread here also notices that the parent died and takes the whole group down, including
   vLLM's EngineCore child, which the kernel's parent-death signal does not reach. It is opt-in so
   that a user's ``nohup ... &`` from a script that then exits keeps working.
+- On CPUs with AMX, every process that runs the model must first ask the kernel for AMX state
+  (``_enable_amx``), or vLLM's attention kernel dies with SIGILL on the first request.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-
 
 
 def _enable_amx() -> None:

@@ -148,6 +148,7 @@ class RolloutClient:
         top_p: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        ignore_eos: bool = False,
         model: str | None = None,
     ) -> list[Completion]:
         """``n`` samples continuing ``prompt_ids`` (``temperature = 0``: greedy; then n must be 1)."""
@@ -165,6 +166,8 @@ class RolloutClient:
             sampling["stop_token_ids"] = [int(t) for t in stop_token_ids]
         if seed is not None:
             sampling["seed"] = int(seed)
+        if ignore_eos:
+            sampling["ignore_eos"] = True
         body = {"token_ids": [int(t) for t in prompt_ids], "sampling_params": sampling, "model": model or self.model}
         response = await self._post_with_retries(body, session_id)
         completions = parse_generate_response(response)

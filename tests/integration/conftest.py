@@ -16,6 +16,7 @@ import os
 import socket
 import string
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +51,14 @@ def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
     return save_hf(model, tokenizer, out_dir)
 
 
-def inference_recipe(engines: int = 2, policy: str = "sticky_least_loaded", **inference):
+def inference_recipe(engines: int = 2, policy: str = "sticky_least_loaded", model: dict | None = None, **inference):
+    """A recipe for the inference tests; ``model`` adds keys to ``[model]`` (e.g. ``lora``)."""
     from skyrl_cli.recipe.schema import Recipe
 
     return Recipe.model_validate(
         {
             "name": "itest",
-            "model": {"init": {"hidden_size": 128, "layers": 2, "heads": 4}, "tokenizer": "char"},
+            "model": {"init": {"hidden_size": 128, "layers": 2, "heads": 4}, "tokenizer": "char", **(model or {})},
             "data": {"task": "addition"},
             "rl": {},
             "inference": {
@@ -102,6 +104,54 @@ def wait_groups_gone(pgids, timeout_s: float = 20.0) -> list[int]:
     return alive
 
 
+PATTERN_LOW, PATTERN_SIZE = 7, 36  # token ids 7..42 (the char alphabet): next = previous + 1, cyclic
+
+
+def train_pattern_policy(model, steps: int = 150, lr: float = 3e-3):
+    """Train ``model`` (a causal LM, or a peft model) in place for a few seconds on a cyclic pattern
+    (next token = previous + 1) and return it in eval mode.
+
+    A stand-in for "the trainer's new policy" in engine tests: its next-token distributions are
+    sharp like a trained model's (a random init is nearly uniform, where a bf16 engine and fp32
+    transformers can break near-ties differently), and its greedy output differs from the initial
+    model's. Prompts of consecutive ids in 7..42 continue the cycle."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast and does not collapse when the cores are busy
+    try:
+        for _ in range(steps):
+            starts = torch.randint(0, PATTERN_SIZE, (16, 1), generator=gen)
+            batch = PATTERN_LOW + (starts + torch.arange(48)) % PATTERN_SIZE
+            loss = model(input_ids=batch, labels=batch).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
+
+
+def load_and_train_pattern_policy(model_dir, steps: int = 150):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return train_pattern_policy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), steps)
+
+
+def hf_greedy(model, prompt, max_new_tokens: int) -> list[int]:
+    """transformers greedy continuation of one prompt (stops at eos, like the engines)."""
+    import torch
+
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
 @dataclass
 class LiveInference:
     recipe: object
@@ -143,9 +193,42 @@ class LiveInference:
         run_blocking(sync_weights(self.engine_urls, self.model_dir, "0"))
 
 
+@contextmanager
+def single_engine(recipe, model_dir, run_dir, machine=None):
+    """One engine of ``recipe`` (no router) under its own supervisor: yields its URL."""
+    from backends.inference.weight_sync import run_blocking, set_weight_version
+    from skyrl_cli.launch.supervisor import Supervisor
+    from skyrl_cli.plan.inference import engine_specs, engine_url
+
+    machine = machine or cpu_machine()
+    (port,) = free_ports(1)
+    (spec,) = engine_specs(recipe, machine, [port], str(model_dir))
+    with Supervisor(run_dir) as sup:
+        sup.start(spec)
+        sup.wait_ready([spec.name])
+        url = engine_url(machine, port)
+        run_blocking(set_weight_version([url], "0"))
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
+@dataclass
+class PatternPolicy:
+    model: object  # the trained transformers model (fp32, eval mode)
+    weights_dir: Path  # its save_pretrained directory: what a trainer step writes
+
+
+@pytest.fixture(scope="session")
+def pattern_policy(tmp_path_factory, tiny_model_dir) -> PatternPolicy:
+    """The tiny model trained on the cyclic pattern (see ``train_pattern_policy``), trained once."""
+    model = load_and_train_pattern_policy(tiny_model_dir)
+    weights_dir = tmp_path_factory.mktemp("pattern-policy") / "step-1"
+    model.save_pretrained(weights_dir)
+    return PatternPolicy(model, weights_dir)
 
 
 @pytest.fixture(scope="session")

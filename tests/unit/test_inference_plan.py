@@ -1,0 +1,141 @@
+"""Engine and router process specs built from a recipe (pure functions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skyrl_cli.errors import UsageError
+from skyrl_cli.plan.inference import (
+    ENGINE_MODEL_NAME,
+    Machine,
+    all_engine_urls,
+    engine_specs,
+    router_spec,
+    speculative_config_json,
+)
+from skyrl_cli.recipe.schema import Recipe, SpeculativeConfig
+
+
+def recipe(**inference) -> Recipe:
+    extra = inference.pop("model_extra", {})
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "seed": 5,
+            "model": {"path": "/models/m", **extra},
+            "data": {"task": "addition"},
+            "rl": {},
+            "inference": {"engines": 2, **inference},
+        }
+    )
+
+
+CPU = Machine(device="cpu", engine_cores=(0, 1), python="/venv/bin/python")
+GPU = Machine(device="cuda", engine_gpus=(2, 3, 4, 5), python="/venv/bin/python")
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_cpu_engines_one_core_each_and_lean_flags():
+    specs = engine_specs(recipe(), CPU, [8101, 8102], "/models/m")
+    assert [s.name for s in specs] == ["engine-0", "engine-1"]
+    a, b = specs
+    assert a.argv[:4] == ("/venv/bin/python", "-m", "backends.inference.serve", "/models/m")
+    assert flag(a.argv, "--port") == "8101" and flag(b.argv, "--port") == "8102"
+    assert (a.env["VLLM_CPU_OMP_THREADS_BIND"], b.env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert a.devices == ("cpu:0",) and b.devices == ("cpu:1",)
+    for s in specs:
+        assert "--enforce-eager" in s.argv and "--enable-scale-out" in s.argv
+        assert flag(s.argv, "--kv-cache-memory-bytes") == str(64 * 2**20)
+        assert flag(s.argv, "--logprobs-mode") == "processed_logprobs"
+        assert flag(s.argv, "--served-model-name") == ENGINE_MODEL_NAME
+        assert flag(s.argv, "--dtype") == "bfloat16"
+        assert s.env["VLLM_SERVER_DEV_MODE"] == "1" and s.env["VLLM_CPU_CI_ENV"] == "1"
+        assert s.env["HF_HUB_OFFLINE"] == "1" and s.env["SKYRL_DIE_WITH_PARENT"] == "1"
+        assert s.ready.url == f"http://127.0.0.1:{s.ports[0]}/health"
+        assert s.kind == "service" and s.role == "engine"
+        assert "CUDA_VISIBLE_DEVICES" not in s.env
+    # Distinct sampling seeds, so engines do not draw the same random numbers.
+    assert (flag(a.argv, "--seed"), flag(b.argv, "--seed")) == ("5", "6")
+
+
+def test_more_engines_than_cores_share_round_robin():
+    specs = engine_specs(recipe(engines=3), Machine(device="cpu", engine_cores=(1,)), [1, 2, 3], "m")
+    assert {s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs} == {"1"}
+
+
+def test_gpu_engines_tensor_parallel_placement():
+    specs = engine_specs(recipe(tensor_parallel=2, gpu_memory_utilization=0.7), GPU, [1, 2], "m")
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["2,3", "4,5"]
+    assert specs[1].devices == ("cuda:4", "cuda:5")
+    for s in specs:
+        assert flag(s.argv, "--tensor-parallel-size") == "2"
+        assert flag(s.argv, "--gpu-memory-utilization") == "0.7"
+        assert json.loads(flag(s.argv, "--weight-transfer-config")) == {"backend": "nccl"}
+        assert "--enforce-eager" not in s.argv and "--kv-cache-memory-bytes" not in s.argv
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in s.env
+
+
+def test_not_enough_gpus_is_a_usage_error():
+    with pytest.raises(UsageError, match="needs 6 GPUs; 4 are left"):
+        engine_specs(recipe(engines=3, tensor_parallel=2), GPU, [1, 2, 3], "m")
+    with pytest.raises(UsageError, match="needs GPUs"):
+        engine_specs(recipe(tensor_parallel=2), CPU, [1, 2], "m")
+
+
+def test_port_count_must_match():
+    with pytest.raises(ValueError):
+        engine_specs(recipe(), CPU, [1], "m")
+
+
+def test_speculative_config():
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4)
+    assert json.loads(speculative_config_json(ngram)) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    eagle = SpeculativeConfig(method="eagle", num_speculative_tokens=2, model="/d")
+    assert json.loads(speculative_config_json(eagle)) == {"method": "eagle", "num_speculative_tokens": 2, "model": "/d"}
+    (spec, _) = engine_specs(recipe(speculative={"method": "ngram"}), CPU, [1, 2], "m")
+    assert json.loads(flag(spec.argv, "--speculative-config"))["method"] == "ngram"
+
+
+def test_lora_enables_runtime_adapters():
+    (spec, _) = engine_specs(recipe(model_extra={"lora": {"rank": 16}}), CPU, [1, 2], "m")
+    assert "--enable-lora" in spec.argv and flag(spec.argv, "--max-lora-rank") == "16"
+    assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+@pytest.mark.parametrize("rank, served", [(1, 1), (4, 8), (8, 8), (12, 16), (512, 512)])
+def test_lora_rank_rounds_up_to_a_rank_vllm_accepts(rank, served):
+    (spec, _) = engine_specs(recipe(model_extra={"lora": {"rank": rank}}), CPU, [1, 2], "m")
+    assert flag(spec.argv, "--max-lora-rank") == str(served)
+
+
+def test_too_large_lora_rank_is_a_usage_error():
+    with pytest.raises(UsageError, match="up to 512"):
+        engine_specs(recipe(model_extra={"lora": {"rank": 1024}}), CPU, [1, 2], "m")
+
+
+def test_fp32_model_dtype_serves_fp32():
+    (spec, _) = engine_specs(recipe(model_extra={"dtype": "float32"}), CPU, [1, 2], "m")
+    assert flag(spec.argv, "--dtype") == "float32"
+
+
+def test_remote_engines_join_the_router_without_a_process():
+    r = recipe(urls=["http://gpu-host:8000/"])
+    urls = all_engine_urls(r, CPU, [8101, 8102])
+    assert urls == ["http://127.0.0.1:8101", "http://127.0.0.1:8102", "http://gpu-host:8000"]
+    spec = router_spec(r, CPU, urls, 8100, 29100)
+    workers = spec.argv[spec.argv.index("--worker-urls") + 1 : spec.argv.index("--policy")]
+    assert list(workers) == urls
+    assert flag(spec.argv, "--policy") == "sticky_least_loaded"  # the default
+    assert flag(spec.argv, "--prometheus-port") == "29100" and spec.ports == (8100, 29100)
+    assert spec.ready.url == "http://127.0.0.1:8100/liveness"
+
+
+@pytest.mark.parametrize("policy", ["consistent_hash", "round_robin", "power_of_two", "cache_aware"])
+def test_router_policy_from_recipe(policy):
+    spec = router_spec(recipe(router={"policy": policy}), CPU, ["http://a:1"], 1, 2)
+    assert flag(spec.argv, "--policy") == policy
