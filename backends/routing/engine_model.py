@@ -20,7 +20,9 @@ What it keeps from vLLM's (v1) scheduler, because routing outcomes hinge on it:
   kv_tokens_attended``: a fixed launch cost, compute-bound prefill, and memory-bound decode whose
   cost grows with the batch and with the context it attends over.
 
-Token granularity (no 16-token blocks) and no chunking are the simplifications.
+KV is counted in tokens, with half a block of slack per running request for its partly filled last
+block; cache hits are whole blocks. No chunking (see above) and no block-level sharing between
+sessions (identical task prompts of one group are not deduplicated) are the simplifications.
 
 Speed: between two events nothing changes the batch, so the replica jumps over runs of identical
 decode steps in one event (until the first request finishes, the cache fills, or a new request
@@ -76,6 +78,7 @@ class ReplicaSpec:
     kv_capacity: int                 # tokens of KV cache
     max_num_seqs: int = 256          # vLLM --max-num-seqs
     max_num_batched_tokens: int = 8192  # prefill token budget per step
+    block_size: int = 16             # KV block (vLLM: 16 on GPUs, 128 on CPU): cache hits are whole blocks
 
 
 class Request:
@@ -139,11 +142,6 @@ class Replica:
     def running_kv(self) -> int:
         return self.base_sum + self.n * len(self.running)
 
-    @property
-    def kv_used(self) -> int:
-        """Tokens held in the KV cache, running and cached (vLLM's kv_cache_usage counts both)."""
-        return self.running_kv + self.cached
-
     # ------------------------------------------------------------------ cache
     def _evict_to_fit(self, reserved: int) -> None:
         """Evict LRU cache entries (tail first) until ``reserved + cached <= capacity``."""
@@ -164,6 +162,16 @@ class Replica:
         self.cached += tokens - old
         self.cache[session] = tokens
 
+    def _cache_hit(self, entry: int, context: int) -> int:
+        """Tokens of ``context`` served by a cache entry of ``entry`` tokens: whole blocks only, and
+        the last prompt token is always computed."""
+        bs = self.spec.block_size
+        return min(entry, context - 1) // bs * bs
+
+    def _headroom(self, batch: int) -> int:
+        """KV tokens usable by ``batch`` running requests: each one's last block is on average half empty."""
+        return self.spec.kv_capacity - batch * (self.spec.block_size // 2)
+
     # ------------------------------------------------------------------ scheduling
     def enqueue(self, request: Request) -> bool:
         """Queue a request; True when a busy replica should cut its run to admit it at the next step."""
@@ -180,7 +188,7 @@ class Replica:
         self.n += steps
         self.busy = False
         # The batch grew into cached entries during the run: evict them now (no lookup happened meanwhile).
-        self._evict_to_fit(self.running_kv)
+        self._evict_to_fit(self.running_kv + self.spec.kv_capacity - self._headroom(len(self.running)))
         finished: list[Request] = []
         heap = self._finish_heap
         while heap and heap[0][0] <= self.n:
@@ -210,7 +218,7 @@ class Replica:
         context = request.context
         entry = self.cache.pop(request.session, 0)
         self.cached -= entry
-        hit = min(entry, context - 1)  # the last prompt token is always computed
+        hit = self._cache_hit(entry, context)
         request.n0 = self.n
         request.base = context - self.n
         request.finish_step = self.n + request.response - request.generated
@@ -228,7 +236,7 @@ class Replica:
         """Plan the next run of steps; returns when it ends, or None when there is nothing to run."""
         capacity = self.spec.kv_capacity
         preempted = False
-        while self.running and self.running_kv + len(self.running) > capacity:
+        while self.running and self.running_kv + len(self.running) > self._headroom(len(self.running)):
             self._preempt_last()
             preempted = True
         prefill = 0
@@ -239,9 +247,9 @@ class Replica:
                 context = request.context
                 # Whole context plus one decode slot for everyone, cached entries being evictable
                 # (its own entry is reused, so it is not double counted).
-                if self.running_kv + context + len(self.running) + 1 > capacity:
+                if self.running_kv + context + len(self.running) + 1 > self._headroom(len(self.running) + 1):
                     break
-                uncached = context - min(self.cache.get(request.session, 0), context - 1)
+                uncached = context - self._cache_hit(self.cache.get(request.session, 0), context)
                 if prefill and prefill + uncached > self.spec.max_num_batched_tokens:
                     budget_left_waiting = True
                     break
@@ -250,12 +258,12 @@ class Replica:
             return None
         batch = len(self.running)
         kv = self.running_kv
-        self._evict_to_fit(kv + batch)
+        self._evict_to_fit(kv + batch + (capacity - self._headroom(batch)))
         heap = self._finish_heap
         while not heap[0][2].alive or heap[0][2].finish_step != heap[0][0]:
             heapq.heappop(heap)
         until_finish = heap[0][0] - self.n
-        until_full = (capacity - kv) // batch
+        until_full = (self._headroom(batch) - kv) // batch
         # A request left waiting for token budget joins at the very next step.
         steps = 1 if budget_left_waiting else max(1, min(until_finish, until_full))
         self.busy = True

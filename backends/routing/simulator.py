@@ -1,12 +1,10 @@
 """Discrete-event simulation of fully-async RL generation on N replicas behind a routing policy.
 
-The driver mirrors a fully-async trainer: up to ``max_inflight_groups`` groups generate at once;
-a new group may start only while it is within ``max_staleness`` policy versions of the trainer
-(group g needs g < (steps_done + max_staleness + 1) * groups_per_step); the trainer takes the first
-``groups_per_step`` finished groups, trains for ``trainer_step_s`` (generation goes on meanwhile),
-and the run ends when ``trainer_steps`` steps are done. Each trajectory is one router session: its
-turns go wherever the policy sends them, the environment delay separates turns, and
-``finish_session`` is called when it ends.
+The driver is ``workload.GroupScheduler`` (concurrency, staleness bound, trainer consuming finished
+groups; the live replay uses the same one) on a simulated clock: the trainer trains for
+``trainer_step_s`` while generation goes on, and the run ends when ``trainer_steps`` steps are
+done. Each trajectory is one router session: its turns go wherever the policy sends them, the
+environment delay separates turns, and ``finish_session`` is called when it ends.
 
 The replicas are ``engine_model.Replica``; the events are replica run ends, turn arrivals, trainer
 step ends and metric samples, in one heap.
@@ -16,14 +14,13 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from backends.routing.engine_model import Replica, ReplicaSpec, Request, StepCost
 from backends.routing.policies import make_policy
-from backends.routing.workload import Trajectory, WorkloadSpec, sample_group
+from backends.routing.workload import GroupScheduler, Trajectory, WorkloadSpec, sample_group
 
 _RUN_END, _ARRIVAL, _TRAINER_DONE, _SAMPLE = 0, 1, 2, 3
 
@@ -37,6 +34,8 @@ class SimConfig:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    request_overhead_s: float = 0.0          # client + HTTP time per turn outside the engine (calibration)
     seed: int = 0
     sample_interval_s: float = 1.0
     drain: bool = False                      # after the last step, finish every started trajectory
@@ -87,19 +86,16 @@ class Simulation:
                 f"kv_capacity ({config.kv_capacity}) must hold one full context ({config.workload.max_context} tokens)")
         self.config = config
         self.spec = config.workload
-        replica_spec = ReplicaSpec(config.kv_capacity, config.max_num_seqs, config.max_num_batched_tokens)
+        replica_spec = ReplicaSpec(config.kv_capacity, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.block_size)
         self.replicas = [Replica(i, replica_spec, config.cost) for i in range(config.replicas)]
         workers = [f"http://replica-{i}:8000" for i in range(config.replicas)]
         self.policy = make_policy(config.policy, workers, [config.kv_capacity] * config.replicas)
         self._events: list = []
         self._seq = 0
         self.now = 0.0
-        self.next_group = 0
-        self.inflight_groups = 0
+        self.scheduler = GroupScheduler(self.spec)
         self.groups: dict[int, _Group] = {}
-        self.finished_groups: deque[_Group] = deque()
-        self.trainer_busy = False
-        self.steps_done = 0
         self.step_end_s: list[float] = []
         self.trajectories: list[Trajectory] = []
         self.trajectories_finished = 0
@@ -117,34 +113,21 @@ class Simulation:
             self._push(end_s, _RUN_END, replica, replica.run_version)
 
     # ------------------------------------------------------------------ driver
-    def _may_start_group(self) -> bool:
-        if self.steps_done >= self.spec.trainer_steps:
-            return False
-        window = (self.steps_done + self.spec.max_staleness + 1) * self.spec.groups_per_step
-        return self.inflight_groups < self.spec.max_inflight_groups and self.next_group < window
-
     def _launch_groups(self) -> None:
-        while self._may_start_group():
-            index = self.next_group
-            self.next_group += 1
-            self.inflight_groups += 1
+        for index in self.scheduler.start_groups():
             trajectories = sample_group(self.spec, self.config.seed, index)
             self.groups[index] = _Group(index, self.now, len(trajectories))
             for trajectory in trajectories:
                 trajectory.replicas = []
                 self.trajectories.append(trajectory)
-                self._push(self.now, _ARRIVAL, trajectory)
+                self._push(self.now + self.config.request_overhead_s, _ARRIVAL, trajectory)
 
     def _maybe_train(self) -> None:
-        if not self.trainer_busy and len(self.finished_groups) >= self.spec.groups_per_step:
-            for _ in range(self.spec.groups_per_step):
-                self.finished_groups.popleft()
-            self.trainer_busy = True
+        if self.scheduler.take_batch() is not None:
             self._push(self.now + self.spec.trainer_step_s, _TRAINER_DONE)
 
     def _on_trainer_done(self) -> None:
-        self.trainer_busy = False
-        self.steps_done += 1
+        self.scheduler.step_done()
         self.step_end_s.append(self.now)
         self._launch_groups()
         self._maybe_train()
@@ -170,7 +153,8 @@ class Simulation:
             self.policy.on_response(request.session, replica.index, request.prompt + request.response)
             trajectory.turn += 1
             if trajectory.turn < trajectory.turns:
-                self._push(self.now + trajectory.env_delays[trajectory.turn - 1], _ARRIVAL, trajectory)
+                delay = trajectory.env_delays[trajectory.turn - 1] + self.config.request_overhead_s
+                self._push(self.now + delay, _ARRIVAL, trajectory)
             else:
                 self._on_trajectory_done(trajectory)
         self._push_run(replica, replica.schedule(self.now))
@@ -184,8 +168,7 @@ class Simulation:
         group.remaining -= 1
         if group.remaining == 0:
             group.end_s = self.now
-            self.inflight_groups -= 1
-            self.finished_groups.append(group)
+            self.scheduler.group_finished(group.index)
             self._launch_groups()
             self._maybe_train()
 
@@ -198,12 +181,13 @@ class Simulation:
         assert replica.running_kv + replica.cached <= cap, "KV cache over capacity"
         if replica.busy:
             # The whole planned run fits: its last step's KV stays within capacity.
-            assert replica.running_kv + len(replica.running) * replica.run_steps <= cap, "run overflows KV"
+            headroom = replica._headroom(len(replica.running))
+            assert replica.running_kv + len(replica.running) * replica.run_steps <= headroom, "run overflows KV"
         assert replica.cached == sum(replica.cache.values()), "cache accounting drifted"
         assert replica.base_sum == sum(r.base for r in replica.running), "running KV accounting drifted"
 
     def _done(self) -> bool:
-        if self.steps_done < self.spec.trainer_steps:
+        if not self.scheduler.done:
             return False
         return not self.config.drain or self.trajectories_finished == len(self.trajectories)
 
@@ -216,7 +200,7 @@ class Simulation:
         while not self._done():
             if len(events) <= 1:  # only the sampler is left: nothing can make progress
                 raise RuntimeError(f"simulation stalled at t={self.now:.1f}s "
-                                   f"(steps {self.steps_done}/{self.spec.trainer_steps})")
+                                   f"(steps {self.scheduler.steps_done}/{self.spec.trainer_steps})")
             at_s, _, kind, a, b = heapq.heappop(events)
             self.now = at_s
             self.events += 1
@@ -248,8 +232,8 @@ class Simulation:
             replicas=self.config.replicas,
             kv_capacity=self.config.kv_capacity,
             makespan_s=makespan,
-            steps=self.steps_done,
-            step_time_s=makespan / max(self.steps_done, 1),
+            steps=self.scheduler.steps_done,
+            step_time_s=makespan / max(self.scheduler.steps_done, 1),
             gen_tokens_per_s=generated / makespan if makespan > 0 else 0.0,
             trajectories_per_s=self.trajectories_finished / makespan if makespan > 0 else 0.0,
             preemptions=sum(s.preemptions for s in stats),

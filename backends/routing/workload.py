@@ -13,6 +13,7 @@ the identical sequence of trajectories (paired comparison) however they interlea
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,3 +130,51 @@ def working_set_per_replica(spec: WorkloadSpec, seed: int, replicas: int, sample
             turns += trajectory.turns
     mean_context = contexts / max(turns, 1)
     return spec.max_inflight_trajectories / replicas * mean_context
+
+
+class GroupScheduler:
+    """The fully-async driver's bookkeeping, shared by the simulator and the live replay (no clock).
+
+    Up to ``max_inflight_groups`` groups generate at once; group g may start only while
+    g < (steps_done + max_staleness + 1) * groups_per_step, so no group is consumed more than
+    ``max_staleness`` policy versions after it started; the trainer takes the first
+    ``groups_per_step`` finished groups (completion order) per step; nothing new starts after the
+    last step.
+    """
+
+    def __init__(self, spec: WorkloadSpec):
+        self.spec = spec
+        self.next_group = 0
+        self.inflight = 0
+        self.steps_done = 0
+        self.trainer_busy = False
+        self.finished: deque[int] = deque()
+
+    @property
+    def done(self) -> bool:
+        return self.steps_done >= self.spec.trainer_steps
+
+    def start_groups(self) -> list[int]:
+        """Indices of the groups that may start now (and are counted as started)."""
+        started = []
+        window = (self.steps_done + self.spec.max_staleness + 1) * self.spec.groups_per_step
+        while not self.done and self.inflight < self.spec.max_inflight_groups and self.next_group < window:
+            started.append(self.next_group)
+            self.next_group += 1
+            self.inflight += 1
+        return started
+
+    def group_finished(self, group: int) -> None:
+        self.inflight -= 1
+        self.finished.append(group)
+
+    def take_batch(self) -> list[int] | None:
+        """The groups of the next trainer step, when the trainer is idle and enough have finished."""
+        if self.trainer_busy or self.done or len(self.finished) < self.spec.groups_per_step:
+            return None
+        self.trainer_busy = True
+        return [self.finished.popleft() for _ in range(self.spec.groups_per_step)]
+
+    def step_done(self) -> None:
+        self.trainer_busy = False
+        self.steps_done += 1
