@@ -10,18 +10,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.cli_runs import events, run_skyrl
+
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-SKYRL = Path(sys.executable).parent / "skyrl"
-ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions"))}
 
 RECIPE = """
 name = "rltest"
@@ -64,21 +60,8 @@ zero_stage = 2
 """
 
 
-def skyrl(cwd: Path, *args) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def events(run_dir: Path, name: str, process: str | None = None) -> list[tuple[int, float]]:
-    from skyrl_cli.metrics.events import iter_events
-
-    return [
-        (e.step, e.value)
-        for e in iter_events(run_dir / "events.jsonl")
-        if e.name == name and (process is None or e.process == process)
-    ]
+def skyrl(cwd: Path, *args):
+    return run_skyrl(*args, cwd=cwd, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,15 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration.cli_runs import ENV, events, run_skyrl
+
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-SKYRL = Path(sys.executable).parent / "skyrl"
-ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions"))}
 
 
 def write_recipe(path: Path, body: str) -> Path:
@@ -31,17 +29,8 @@ def write_recipe(path: Path, body: str) -> Path:
     return path
 
 
-def skyrl(*args, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def events(run_dir: Path, name: str) -> list[tuple[int, float]]:
-    from skyrl_cli.metrics.events import iter_events
-
-    return [(e.step, e.value) for e in iter_events(run_dir / "events.jsonl") if e.name == name]
+def skyrl(*args, check: bool = True):
+    return run_skyrl(*args, check=check)
 
 
 # ------------------------------------------------------------------------------- one step, 2 ranks

@@ -1,0 +1,33 @@
+"""Running the real `skyrl` console script in integration tests, and reading its events back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SKYRL = Path(sys.executable).parent / "skyrl"
+ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions"))}
+
+
+def run_skyrl(*args, cwd: Path = REPO, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``skyrl ARGS`` as a user runs it; raises with its output when it fails (``check``)."""
+    proc = subprocess.run([str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def events(run_dir: Path, name: str, process: str | None = None) -> list[tuple[int, float]]:
+    """``(step, value)`` of every event called ``name`` (from ``process`` if given), in file order."""
+    from skyrl_cli.metrics.events import iter_events
+
+    return [
+        (e.step, e.value)
+        for e in iter_events(run_dir / "events.jsonl")
+        if e.name == name and (process is None or e.process == process)
+    ]
