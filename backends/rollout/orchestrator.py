@@ -84,8 +84,9 @@ class Orchestrator:
         self.window_started = time.perf_counter()
 
     # ------------------------------------------------------------------------------ rollouts
-    async def rollout(self, client, row: Mapping[str, Any], session_id: str, temperature: float):
-        """One trajectory: (session, episode). The session's router pin is always released."""
+    async def rollout(self, client, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0):
+        """One trajectory: (session, episode). ``first_turn``: the group's ``SharedFirstTurn``, which
+        samples turn 0 of all its trajectories together. The session's router pin is always released."""
         from backends.rollout.environments import run_episode
         from backends.rollout.session import RolloutSession
         from backends.data.chat import encode_prompt
@@ -96,26 +97,39 @@ class Orchestrator:
             nonlocal session
             if turn == 0:
                 session = RolloutSession(client, encode_prompt(self.tokenizer, new_messages), session_id)
+                if first_turn is not None:
+                    completion = await first_turn.take(index, session)
+                    return self.decode(completion)
             else:
                 session.add_observation(encode_observation(self.tokenizer, new_messages))
             completion = await session.generate(
                 max_tokens=self.rl.max_new_tokens, temperature=temperature, stop_token_ids=self.stop_ids
             )
-            return "" if completion is None else self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            return self.decode(completion)
 
         try:
             episode = await run_episode(self.make_env, row, generate, self.caller, self.rl.max_turns)
         finally:
+            if first_turn is not None:
+                first_turn.skip(index)  # an episode that ended before turn 0 must not hold up the group
             if session is not None:
                 await session.finish()
         return session, episode
 
+    def decode(self, completion) -> str:
+        return "" if completion is None else self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
     async def generate_group(self, client, ref, start_version: int):
         from backends.rollout.batch import Group, Sample
+        from backends.rollout.session import SharedFirstTurn
 
         row = self.train_rows[ref.index]
+        k = self.rl.samples_per_prompt
+        first_turn = SharedFirstTurn(
+            client, k, ref.uid, self.rl.max_new_tokens, self.rl.temperature, stop_token_ids=self.stop_ids
+        )
         results = await asyncio.gather(
-            *(self.rollout(client, row, f"{ref.uid}_{i}", self.rl.temperature) for i in range(self.rl.samples_per_prompt))
+            *(self.rollout(client, row, f"{ref.uid}_{i}", self.rl.temperature, first_turn, i) for i in range(k))
         )
         samples = []
         for i, (session, episode) in enumerate(results):

@@ -131,19 +131,23 @@ def train(run_dir: Path, resume: bool) -> None:
     export = HFExporter(engine, tokenizer, dist, trainer.zero_stage)
 
     start_step = 0
+    end_step = sft.steps  # earlier when a resumed run had already stopped at sft.stop_at_accuracy
     if dist.is_main:
         remove_leftovers(run_dir)
     if resume:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is not None:
-            start_step = int(load_checkpoint(engine, checkpoint)["step"])
+            state = load_checkpoint(engine, checkpoint)
+            start_step = int(state["step"])
+            if state.get("stopped_early"):
+                end_step = start_step
             say(f"resumed from {checkpoint} at step {start_step}")
         else:
             say("no complete checkpoint to resume from; starting at step 0")
     say(f"trainer ready: world {dist.world_size}, ZeRO-{trainer.zero_stage}, {sft.micro_batching} micro-batching "
         f"({layout_kind}), device {dist.device}, start-up {time.perf_counter() - started:.1f}s")
 
-    def evaluate(step: int) -> None:
+    def evaluate(step: int) -> float:
         t0 = time.perf_counter()
         module = engine.module
         loss = eval_loss(module, data.eval, dist, sft.max_tokens_per_microbatch, tokenizer.pad_token_id)
@@ -153,17 +157,19 @@ def train(run_dir: Path, resume: bool) -> None:
         if events:
             events.log(step, {"eval/loss": loss, "eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0})
         say(f"step {step}: eval loss {loss:.4f} accuracy {accuracy:.4f}")
+        return accuracy
 
-    def checkpoint(step: int) -> None:
+    def checkpoint(step: int, **extra) -> None:
         t0 = time.perf_counter()
-        save_checkpoint(engine, run_dir, step, {"seed": recipe.seed, "samples": step * sft.batch_size}, export, sft.keep_last)
+        state = {"seed": recipe.seed, "samples": step * sft.batch_size, **extra}
+        save_checkpoint(engine, run_dir, step, state, export, sft.keep_last)
         if events:
             events.log(step, {"timing/checkpoint_s": time.perf_counter() - t0})
 
     window = Window()
     pad_id = tokenizer.pad_token_id
     n_train = len(data.train)
-    for step in range(start_step, sft.steps):
+    for step in range(start_step, end_step):
         batch = [data.train[i] for i in batch_indices(recipe.seed, step, sft.batch_size, n_train)]
         lengths = [len(ex) for ex in batch]
         layout = step_layout(lengths, recipe, dist.world_size, layout_kind)
@@ -197,8 +203,14 @@ def train(run_dir: Path, resume: bool) -> None:
                 f"tokens/s {metrics['train/tokens_per_s']:,.0f}")
             window.reset()
         if (sft.eval_every and done % sft.eval_every == 0) or done == sft.steps:
-            evaluate(done)
+            accuracy = evaluate(done)
             window.started = time.perf_counter()  # eval time is not training throughput
+            if sft.stop_at_accuracy is not None and accuracy >= sft.stop_at_accuracy and done < sft.steps:
+                say(f"step {done}: held-out accuracy {accuracy:.4f} reached sft.stop_at_accuracy = {sft.stop_at_accuracy}; stopping")
+                if events:
+                    events.log(done, {"progress/stopped_early": 1.0})
+                checkpoint(done, stopped_early=True)
+                break
         if (sft.save_every and done % sft.save_every == 0) or done == sft.steps:
             checkpoint(done)
             window.started = time.perf_counter()

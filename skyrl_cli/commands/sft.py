@@ -69,6 +69,8 @@ def final_line(summary: dict, directory) -> str:
     parts = []
     if "eval/accuracy" in metrics:
         parts.append(f"held-out accuracy {metrics['eval/accuracy']:.3f}")
+    if metrics.get("progress/stopped_early"):
+        parts.append(f"stopped early at step {summary.get('steps', '?')} (sft.stop_at_accuracy)")
     tokens = summary.get("throughput", {}).get("train/tokens_per_s")
     if tokens:
         parts.append(f"{tokens['mean']:,.0f} training tokens/s")

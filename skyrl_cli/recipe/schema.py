@@ -138,6 +138,11 @@ class SftConfig(Section):
     eval_every: NonNegativeInt = Field(250, description="Evaluate every k steps (0: only at the end).")
     save_every: NonNegativeInt = Field(250, description="Checkpoint every k steps (0: only at the end).")
     keep_last: PositiveInt = Field(2, description="Checkpoints kept on disk.")
+    stop_at_accuracy: Probability | None = Field(
+        None,
+        description="Stop early at the first evaluation whose held-out accuracy reaches this; the final "
+        "model is that step's (e.g. to leave an RL stage room to improve).",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ rl

@@ -249,3 +249,17 @@ def test_trainer_failure_reports_the_log(tmp_path):
     proc = skyrl("sft", recipe_path, "--run-dir", tmp_path / "run", "--quiet", check=False)
     assert proc.returncode == 1
     assert "the trainer failed" in proc.stderr and "trainer.log" in proc.stderr
+
+
+def test_stop_at_accuracy_ends_early_and_a_resume_keeps_it_ended(tmp_path):
+    recipe = RESUMABLE.replace("eval_every = 0\n", "eval_every = 4\nstop_at_accuracy = 0.0\n")
+    recipe_path = write_recipe(tmp_path / "stop.toml", recipe)
+    run_dir = tmp_path / "run"
+    proc = skyrl("sft", recipe_path, "--run-dir", run_dir, "--quiet")
+    assert "stopped early at step 4 (sft.stop_at_accuracy)" in proc.stdout
+    assert max(s for s, _ in events(run_dir, "train/loss")) == 4
+    assert (run_dir / "final" / "config.json").exists()
+    assert json.loads((run_dir / "checkpoints" / "step-4" / "trainer_state.json").read_text())["stopped_early"] is True
+
+    skyrl("sft", recipe_path, "--run-dir", run_dir, "--resume", "--quiet")
+    assert max(s for s, _ in events(run_dir, "train/loss")) == 4  # no step after the stop
