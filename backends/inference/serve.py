@@ -11,6 +11,10 @@ Why not the ``vllm`` console script:
   that a user's ``nohup ... &`` from a script that then exits keeps working.
 - On CPUs with AMX, every process that runs the model must first ask the kernel for AMX state
   (``_enable_amx``), or vLLM's attention kernel dies with SIGILL on the first request.
+- vLLM's worker busy-waits (``sched_yield``) for 1 s after every message from its EngineCore before
+  it sleeps on a socket. Between RL steps that kept one of a 2-core machine's cores at 100 % while
+  the trainer and the rollout client needed it. ``SKYRL_ENGINE_IDLE_SPIN_S`` (set by the CPU launch
+  plan) shortens that window (``_limit_idle_spin``); GPU engines keep vLLM's default.
 """
 
 from __future__ import annotations
@@ -41,6 +45,34 @@ def _enable_amx() -> None:
 
 
 _enable_amx()
+
+IDLE_SPIN_ENV = "SKYRL_ENGINE_IDLE_SPIN_S"
+IDLE_RECHECK_MS = 10
+
+
+def _limit_idle_spin() -> None:
+    """Readers of vLLM's shared-memory queues spin at most ``$SKYRL_ENGINE_IDLE_SPIN_S`` after a read.
+
+    Past the spin a reader sleeps until the writer's socket ping, and vLLM re-checks the queue only
+    every 5 s in case a ping was lost; without the long spin that happened about once in 10 RL steps
+    (a 5 s stall), so the re-check interval shrinks to ``IDLE_RECHECK_MS`` too. At import, like
+    ``_enable_amx``, so that it reaches the spawned EngineCore and workers.
+    """
+    value = os.environ.get(IDLE_SPIN_ENV)
+    if not value:
+        return
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:  # another vLLM layout: keep its defaults
+        return
+    init = shm_broadcast.SpinCondition.__init__
+    if init.__defaults__ and len(init.__defaults__) == 1:  # (busy_loop_s,)
+        init.__defaults__ = (float(value),)
+    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = IDLE_RECHECK_MS
+
+
+_limit_idle_spin()
 
 WATCHDOG_PERIOD_S = 1.0
 DIE_WITH_PARENT_ENV = "SKYRL_DIE_WITH_PARENT"

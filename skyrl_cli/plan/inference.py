@@ -165,8 +165,9 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
             raise UsageError("no CPU cores left for the inference engines")
         core = machine.engine_cores[index % len(machine.engine_cores)]
         # VLLM_CPU_CI_ENV skips the start-up warm-up (seconds per engine, nothing to warm on CPU
-        # with eager execution).
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1"})
+        # with eager execution). SKYRL_ENGINE_IDLE_SPIN_S: see backends/inference/serve.py (an idle
+        # engine otherwise spins a core the trainer needs).
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"})
         return env, (f"cpu:{core}",)
     tp = recipe.inference.tensor_parallel
     gpus = machine.engine_gpus[index * tp : (index + 1) * tp]

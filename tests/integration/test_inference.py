@@ -97,6 +97,28 @@ def test_n_samples_and_greedy_through_the_router(engines_and_router):
     assert greedy_a.finish_reason in ("length", "stop")
 
 
+def test_idle_engine_does_not_spin_a_core(engines_and_router):
+    """After a request, vLLM's worker would busy-wait for 1 s (a whole core of a 2-core machine
+    between RL steps); the CPU plan's SKYRL_ENGINE_IDLE_SPIN_S must bring that to about nothing."""
+    import psutil
+
+    live = engines_and_router
+
+    async def one_request():
+        async with live.client() as client:
+            await client.generate(PROMPTS[0], "idle-spin", max_tokens=4, temperature=0.0)
+
+    procs = live.supervisor.processes
+    engines = [psutil.Process(procs[name].popen.pid) for name in live.engine_names]
+    family = [c for e in engines for c in [e, *e.children(recursive=True)]]
+    run(one_request())
+    time.sleep(0.05)
+    before = sum(p.cpu_times().user + p.cpu_times().system for p in family)
+    time.sleep(0.9)
+    used = sum(p.cpu_times().user + p.cpu_times().system for p in family) - before
+    assert used < 0.3 * len(engines), f"idle engines used {used:.2f} CPU-seconds in 0.9 s"
+
+
 # --------------------------------------------------------------------------------------------- (b)
 
 

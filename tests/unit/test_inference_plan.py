@@ -55,6 +55,7 @@ def test_cpu_engines_one_core_each_and_lean_flags():
         assert flag(s.argv, "--served-model-name") == ENGINE_MODEL_NAME
         assert flag(s.argv, "--dtype") == "bfloat16"
         assert s.env["VLLM_SERVER_DEV_MODE"] == "1" and s.env["VLLM_CPU_CI_ENV"] == "1"
+        assert float(s.env["SKYRL_ENGINE_IDLE_SPIN_S"]) < 0.1  # an idle CPU engine must not spin a core
         assert s.env["HF_HUB_OFFLINE"] == "1" and s.env["SKYRL_DIE_WITH_PARENT"] == "1"
         assert s.ready.url == f"http://127.0.0.1:{s.ports[0]}/health"
         assert s.kind == "service" and s.role == "engine"
@@ -77,7 +78,7 @@ def test_gpu_engines_tensor_parallel_placement():
         assert flag(s.argv, "--gpu-memory-utilization") == "0.7"
         assert json.loads(flag(s.argv, "--weight-transfer-config")) == {"backend": "nccl"}
         assert "--enforce-eager" not in s.argv and "--kv-cache-memory-bytes" not in s.argv
-        assert "VLLM_CPU_OMP_THREADS_BIND" not in s.env
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in s.env and "SKYRL_ENGINE_IDLE_SPIN_S" not in s.env
 
 
 def test_not_enough_gpus_is_a_usage_error():
