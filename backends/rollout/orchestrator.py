@@ -170,9 +170,25 @@ class Orchestrator:
 
     # ------------------------------------------------------------------------------ evaluation
     async def evaluate(self, client, version: int) -> float:
+        """Greedy accuracy on the held-out rows. Their first turns go in batches of an engine's
+        ``max_num_seqs`` prompts (one request each: ~10x faster than a request per prompt on CPU)."""
+        from backends.rollout.session import SharedFirstTurn
+
         t0 = time.perf_counter()
+        first_turns = SharedFirstTurn(
+            client,
+            len(self.eval_rows),
+            f"eval-v{version}",
+            self.rl.max_new_tokens,
+            0.0,
+            batch_size=self.recipe.inference.max_num_seqs,
+            stop_token_ids=self.stop_ids,
+        )
         results = await asyncio.gather(
-            *(self.rollout(client, row, f"eval-v{version}-{i}", 0.0) for i, row in enumerate(self.eval_rows))
+            *(
+                self.rollout(client, row, f"eval-v{version}-{i}", 0.0, first_turns, i)
+                for i, row in enumerate(self.eval_rows)
+            )
         )
         accuracy = sum(ep.reward for _, ep in results) / max(1, len(results))
         metrics = {"eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0}

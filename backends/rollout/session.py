@@ -18,7 +18,7 @@ the session reports ``finish_reason = "length"`` without a request.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Awaitable, Sequence
 
 if TYPE_CHECKING:
     from backends.rollout.client import Completion, RolloutClient
@@ -102,11 +102,26 @@ class SharedFirstTurn:
     per distinct prompt (``n`` = how many trajectories share it) under the group's session id and
     hands every trajectory its own completion. Later turns of multi-turn trajectories go through
     their own sessions as usual.
+
+    With ``batch_size`` the trajectories may start from different prompts (an evaluation set): their
+    first turns go as ``generate_batch`` requests of up to ``batch_size`` prompts, each under its own
+    session id (``<session_id>-<chunk>``) so that the router spreads the chunks over the engines.
+    Those completions carry no weight spans, so this is for a fixed policy version only.
     """
 
-    def __init__(self, client: "RolloutClient", k: int, session_id: str, max_tokens: int, temperature: float, **kwargs):
+    def __init__(
+        self,
+        client: "RolloutClient",
+        k: int,
+        session_id: str,
+        max_tokens: int,
+        temperature: float,
+        batch_size: int | None = None,
+        **kwargs,
+    ):
         self.client = client
         self.k = k
+        self.batch_size = batch_size
         self.session_id = session_id
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -142,29 +157,48 @@ class SharedFirstTurn:
             self._request = asyncio.ensure_future(self._sample())
 
     async def _sample(self) -> None:
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
-        for index, session in sorted(self._sessions.items()):
-            if session is not None:
-                by_prompt.setdefault(tuple(session.context_ids), []).append(index)
+        requests = self._batched_requests() if self.batch_size else self._grouped_requests()
         try:
-            results = await asyncio.gather(
-                *(
-                    self.client.generate(
-                        list(prompt),
-                        self.session_id,
-                        self._sessions[indices[0]].room(self.max_tokens),
-                        self.temperature,
-                        n=len(indices),
-                        **self.kwargs,
-                    )
-                    for prompt, indices in by_prompt.items()
-                )
-            )
-            for indices, turns in zip(by_prompt.values(), results):
+            results = await asyncio.gather(*(request for _, _, request in requests))
+            for (_, indices, _), turns in zip(requests, results):
                 self._turns.update(zip(indices, turns))
         except BaseException as err:  # every waiting trajectory sees the failure
             self._error = err
         finally:
-            if by_prompt:
-                await self.client.finish_session(self.session_id)
+            await asyncio.gather(*(self.client.finish_session(sid) for sid in dict.fromkeys(r[0] for r in requests)))
             self._done.set()
+
+    def _grouped_requests(self) -> list[tuple[str, list[int], Awaitable]]:
+        """(session id, trajectory indices, request): one ``n``-sample request per distinct prompt."""
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for index, session in sorted(self._sessions.items()):
+            if session is not None:
+                by_prompt.setdefault(tuple(session.context_ids), []).append(index)
+        return [
+            (
+                self.session_id,
+                indices,
+                self.client.generate(
+                    list(prompt),
+                    self.session_id,
+                    self._sessions[indices[0]].room(self.max_tokens),
+                    self.temperature,
+                    n=len(indices),
+                    **self.kwargs,
+                ),
+            )
+            for prompt, indices in by_prompt.items()
+        ]
+
+    def _batched_requests(self) -> list[tuple[str, list[int], Awaitable]]:
+        """(session id, trajectory indices, request): ``batch_size`` prompts per request; one
+        ``max_tokens`` per request, the smallest room among its prompts."""
+        live = [(i, s) for i, s in sorted(self._sessions.items()) if s is not None]
+        requests = []
+        for chunk, start in enumerate(range(0, len(live), self.batch_size)):
+            part = live[start : start + self.batch_size]
+            sid = f"{self.session_id}-{chunk}"
+            room = min(s.room(self.max_tokens) for _, s in part)
+            request = self.client.generate_batch([s.context_ids for _, s in part], sid, room, self.temperature, **self.kwargs)
+            requests.append((sid, [i for i, _ in part], request))
+        return requests

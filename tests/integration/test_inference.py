@@ -88,9 +88,12 @@ def test_n_samples_and_greedy_through_the_router(engines_and_router):
             samples = await client.generate(PROMPTS[0], "n-samples", max_tokens=16, temperature=1.0, n=4)
             greedy_a = await client.generate(PROMPTS[1], "greedy-a", max_tokens=16, temperature=0.0)
             greedy_b = await client.generate(PROMPTS[1], "greedy-b", max_tokens=16, temperature=0.0)
-            return samples, greedy_a, greedy_b
+            batch = await client.generate_batch([PROMPTS[1], PROMPTS[0]], "greedy-batch", max_tokens=16, temperature=0.0)
+            return samples, greedy_a, greedy_b, batch
 
-    samples, (greedy_a,), (greedy_b,) = run(go())
+    samples, (greedy_a,), (greedy_b,), batch = run(go())
+    assert batch[0].token_ids == greedy_a.token_ids and len(batch) == 2  # one request, same greedy answers
+    assert len(batch[1].logprobs) == len(batch[1].token_ids) > 0
     assert len(samples) == 4 and len({tuple(s.token_ids) for s in samples}) > 1
     assert all(s.weight_versions == ("0",) and s.policy_versions == (0,) for s in samples)
     assert greedy_a.token_ids == greedy_b.token_ids  # whichever engine: same weights, same greedy path

@@ -29,6 +29,11 @@ class RecordingClient:
             raise RolloutError("engine gone")
         return [Completion([base + j, 2], [-0.5, -0.1], "stop", (WeightSpan("3", 0, 2),)) for j in range(n)]
 
+    async def generate_batch(self, prompts, session_id, max_tokens, temperature=1.0, **kwargs):
+        self.calls.append((tuple(map(tuple, prompts)), session_id, max_tokens, "batch"))
+        await asyncio.sleep(0)
+        return [Completion([p[-1] + 1000, 2], [-0.2, -0.1], "stop") for p in prompts]
+
     async def finish_session(self, session_id):
         self.finished.append(session_id)
         return True
@@ -83,6 +88,25 @@ def test_failure_reaches_every_waiting_trajectory():
     results = run(main())
     assert all(isinstance(r, RolloutError) for r in results)
     assert client.finished == ["g2"]
+
+
+def test_batched_first_turns_of_different_prompts():
+    client = RecordingClient()
+    client.max_model_len = 10
+
+    async def main():
+        shared = SharedFirstTurn(client, 5, "eval-v3", max_tokens=8, temperature=0.0, batch_size=2)
+        sessions = [RolloutSession(client, [1] * (2 + i) + [i], f"e{i}") for i in range(4)]
+        shared.skip(4)
+        turns = await asyncio.gather(*(shared.take(i, s) for i, s in enumerate(sessions)))
+        return sessions, turns
+
+    sessions, turns = run(main())
+    # chunks of 2 prompts, own session ids; max_tokens = the least room in the chunk (10 - 4, 10 - 6)
+    assert [(c[1], c[2], c[3], len(c[0])) for c in client.calls] == [("eval-v3-0", 6, "batch", 2), ("eval-v3-1", 4, "batch", 2)]
+    assert [t.token_ids[0] for t in turns] == [1000, 1001, 1002, 1003]  # each its own prompt's answer
+    assert sessions[3].response_ids == [1003, 2] and sessions[3].loss_mask == [1, 1]
+    assert sorted(client.finished) == ["eval-v3-0", "eval-v3-1"]
 
 
 def test_session_generate_then_observation_then_generate():
