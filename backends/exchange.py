@@ -125,16 +125,20 @@ class RunExchange:
         self._wait_for(published, f"weights v{version}", timeout_s, poll_s)
         return self.weights_dir(self.latest_version())
 
-    def prune_weights(self, keep: set[int]) -> None:
-        """Delete published versions not in ``keep`` (engines only need the newest)."""
+    def prune_weights_before(self, version: int) -> None:
+        """Delete published versions older than ``version`` (the one the engines now serve).
+
+        Never anything newer: the learner renames a new version into place before it updates
+        LATEST, so a newer directory may exist that LATEST does not name yet.
+        """
         if not self.weights.exists():
             return
         for path in self.weights.glob("v*"):
             try:
-                version = int(path.name[1:])
+                older = int(path.name[1:]) < version
             except ValueError:
                 continue
-            if version not in keep:
+            if older:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ control

@@ -231,7 +231,7 @@ class Orchestrator:
         record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(version)))
         result = await sync_weights(self.engine_urls, weights_dir, version, reset_prefix_cache=self.rl.async_.reset_prefix_cache)
         print(f"engines on policy version {version} ({result.seconds:.3f} s)", flush=True)
-        exchange.prune_weights(keep={v for v in (version, exchange.latest_version()) if v is not None})
+        exchange.prune_weights_before(version)
 
     def save_state(self, buffer, version: int) -> None:
         """Buffer state for a checkpoint the learner writes at the same version."""
@@ -320,15 +320,28 @@ class Orchestrator:
             n_workers = max(1, self.recipe.inference.max_concurrency // self.rl.samples_per_prompt)
             workers = [asyncio.create_task(self.worker(client, buffer)) for _ in range(n_workers)]
             watcher = asyncio.create_task(self.watch_weights(client, buffer, exchange))
+            feeder = asyncio.create_task(self.feed_trainer(buffer, exchange))
             try:
-                await self.feed_trainer(buffer, exchange)
-                await watcher  # the last version's sync and final evaluation
+                # The run ends when the last batch is written and the last version synced and
+                # evaluated; a failure of any task (a weight sync the engines refused) ends it at once.
+                await until_done_or_failed({feeder, watcher}, others=set(workers))
             finally:
                 await buffer.close()
-                for task in (*workers, watcher):
+                for task in (*workers, watcher, feeder):
                     task.cancel()
-                await asyncio.gather(*workers, watcher, return_exceptions=True)
+                await asyncio.gather(*workers, watcher, feeder, return_exceptions=True)
         self.events.close()
+
+
+async def until_done_or_failed(required: set[asyncio.Task], others: set[asyncio.Task] = frozenset()) -> None:
+    """Wait until every task in ``required`` has finished; the first exception raised by any task
+    (``others`` too) is raised here at once instead of leaving the rest waiting on it forever."""
+    pending = set(required) | set(others)
+    while required & pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
 
 
 def main(argv: list[str] | None = None) -> None:

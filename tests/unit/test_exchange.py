@@ -50,8 +50,20 @@ def test_weights_versions_and_latest(tmp_path):
             (d / "w").write_text(str(v))
     assert ex.latest_version() == 2
     assert (ex.wait_version(1, timeout_s=1) / "w").read_text() == "2"
-    ex.prune_weights(keep={2})
+    ex.prune_weights_before(2)
     assert sorted(p.name for p in (tmp_path / "weights").glob("v*")) == ["v2"]
+
+
+def test_pruning_never_deletes_a_version_newer_than_the_served_one(tmp_path):
+    """The learner renames v<k> into place before LATEST says k: pruning at that moment (seen in an
+    async run: the engines were then told to load a deleted v231) must leave it alone."""
+    ex = RunExchange(tmp_path)
+    for v in (1, 2, 3):
+        with ex.publish_weights(v) as d:
+            (d / "w").write_text(str(v))
+    (tmp_path / "weights" / "LATEST").write_text("2")  # v3 renamed into place, LATEST not yet
+    ex.prune_weights_before(2)
+    assert sorted(p.name for p in (tmp_path / "weights").glob("v*")) == ["v2", "v3"]
 
 
 def test_stop_request_interrupts_a_wait(tmp_path):

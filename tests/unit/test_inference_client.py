@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from backends.inference.weight_sync import CurrentWeights, read_current_weights, record_current_weights
-from backends.rollout.client import Completion, RolloutError, WeightSpan, parse_generate_response
+from backends.rollout.client import (
+    Completion,
+    RolloutError,
+    WeightSpan,
+    parse_completions_response,
+    parse_generate_response,
+)
 
 
 def choice(index, tokens, logprobs, spans, finish="length"):
@@ -43,6 +49,21 @@ def test_missing_logprobs_is_an_error():
     body = {"choices": [{"index": 0, "token_ids": [1, 2], "logprobs": None, "finish_reason": "length"}]}
     with pytest.raises(RolloutError, match="0 logprobs for 2 tokens"):
         parse_generate_response(body)
+
+
+def test_parse_completions_in_prompt_order_without_spans():
+    body = {
+        "choices": [
+            {"index": 1, "text": "7", "token_ids": [7, 2], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.3, -0.1]}},
+            {"index": 0, "text": "56", "token_ids": [5, 6], "finish_reason": "length", "logprobs": {"token_logprobs": [-0.2, -0.4]}},
+        ]
+    }
+    first, second = parse_completions_response(body)
+    assert (first.token_ids, first.logprobs, first.finish_reason) == ([5, 6], [-0.2, -0.4], "length")
+    assert (second.token_ids, second.finish_reason, second.weight_spans) == ([7, 2], "stop", ())
+    body["choices"][0]["logprobs"] = None
+    with pytest.raises(RolloutError, match="0 logprobs for 2 tokens"):
+        parse_completions_response(body)
 
 
 def test_current_weights_record_roundtrip(tmp_path):
