@@ -23,7 +23,9 @@ def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:
     for e in events:
         if e.name.endswith("_per_s"):
             per_second.setdefault(e.name, []).append(e.value)
-    train_steps = [e.step for e in events if e.name.startswith("train/")]
+    # Training metrics are logged every few steps; an evaluation also marks a step that was trained
+    # (an SFT run stopped by sft.stop_at_accuracy at step 475 logged train/ last at 470).
+    train_steps = [e.step for e in events if e.name.startswith(("train/", "eval/"))]
     return {
         "steps": max(train_steps or [e.step for e in events] or [0]),
         "elapsed_s": round(events[-1].time - events[0].time, 3) if events else 0.0,

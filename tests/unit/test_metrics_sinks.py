@@ -127,6 +127,11 @@ def test_summary_keeps_last_values_and_throughput():
     assert summary["throughput"] == {"train/tokens_per_s": {"mean": 200.0, "last": 300.0}}
 
 
+def test_summary_steps_count_an_evaluation_after_the_last_logged_train_step():
+    events = [event(470, "train/loss", 0.1, t=1.0), event(475, "eval/accuracy", 0.54, t=2.0), event(480, "engine/running", 3.0, t=3.0)]
+    assert summarize(events)["steps"] == 475
+
+
 def test_summary_printer_prints_a_table():
     buffer = io.StringIO()
     SummaryPrinter(Console(file=buffer, width=100)).close(summarize([event(3, "eval/accuracy", 0.9)]))
