@@ -7,6 +7,7 @@ pure functions and tests can describe any machine (``MachineFacts(cpu_cores=(0, 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -14,11 +15,43 @@ from pathlib import Path
 from typing import Callable
 
 
-def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that are free right now (all held open together while choosing)."""
-    socks = []
+PORT_FLOOR = 10000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's range for automatically assigned local ports (Linux default 32768-60999)."""
     try:
-        for _ in range(n):
+        low, high = (int(x) for x in Path(path).read_text().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that are free right now (all held open together while choosing).
+
+    Chosen below the kernel's ephemeral range when it leaves room: the processes of a run start one
+    after another over tens of seconds, and meanwhile any outgoing connection (health checks, vLLM's
+    own sockets) may be given an ephemeral port as its local end. A port picked from that range was
+    taken that way once before vllm-router bound it ("Address already in use" in a CI run).
+    """
+    low, _ = ephemeral_port_range()
+    candidates = list(range(PORT_FLOOR, low)) if low - PORT_FLOOR >= 4 * n else []
+    random.SystemRandom().shuffle(candidates)
+    socks: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:  # no room below the ephemeral range: let the kernel choose
             s = socket.socket()
             s.bind((host, 0))
             socks.append(s)

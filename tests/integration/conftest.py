@@ -13,7 +13,6 @@ tests share it (``live.restore()`` reloads the original weights with version "0"
 from __future__ import annotations
 
 import os
-import socket
 import string
 import time
 from contextlib import contextmanager
@@ -26,17 +25,10 @@ TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free right now (bound then released)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """``n`` distinct ports free right now, chosen as the launch plan chooses them."""
+    from skyrl_cli.plan.machine import find_free_ports
+
+    return find_free_ports(n)
 
 
 def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
