@@ -51,13 +51,18 @@ class RolloutSession:
             return max_tokens
         return min(max_tokens, self.client.max_model_len - len(self.context_ids))
 
+    def out_of_room(self, max_tokens: int) -> bool:
+        """True when no token of a next turn fits; the session then ends with ``"length"``."""
+        if self.room(max_tokens) > 0:
+            return False
+        self.finish_reason = "length"
+        return True
+
     async def generate(self, max_tokens: int, temperature: float = 1.0, **kwargs) -> "Completion | None":
         """One model turn appended to the context; ``None`` when the context is full."""
-        room = self.room(max_tokens)
-        if room <= 0:
-            self.finish_reason = "length"
+        if self.out_of_room(max_tokens):
             return None
-        (turn,) = await self.client.generate(self.context_ids, self.session_id, room, temperature, n=1, **kwargs)
+        (turn,) = await self.client.generate(self.context_ids, self.session_id, self.room(max_tokens), temperature, n=1, **kwargs)
         self.requested = True
         self.add_turn(turn)
         return turn
@@ -134,8 +139,7 @@ class SharedFirstTurn:
 
     async def take(self, index: int, session: RolloutSession) -> "Completion | None":
         """Sample turn 0 for ``session``; ``None`` when its context has no room (as ``generate``)."""
-        if session.room(self.max_tokens) <= 0:
-            session.finish_reason = "length"
+        if session.out_of_room(self.max_tokens):
             self.skip(index)
             return None
         self._arrive(index, session)

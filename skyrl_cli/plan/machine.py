@@ -19,13 +19,12 @@ PORT_FLOOR = 10000
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
-def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
-    """The kernel's range for automatically assigned local ports (Linux default 32768-60999)."""
+def ephemeral_port_floor(path: str = EPHEMERAL_RANGE_FILE) -> int:
+    """The lowest port the kernel assigns automatically (Linux default range 32768-60999)."""
     try:
-        low, high = (int(x) for x in Path(path).read_text().split()[:2])
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -36,7 +35,7 @@ def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     own sockets) may be given an ephemeral port as its local end. A port picked from that range was
     taken that way once before vllm-router bound it ("Address already in use" in a CI run).
     """
-    low, _ = ephemeral_port_range()
+    low = ephemeral_port_floor()
     candidates = list(range(PORT_FLOOR, low)) if low - PORT_FLOOR >= 4 * n else []
     random.SystemRandom().shuffle(candidates)
     socks: list[socket.socket] = []

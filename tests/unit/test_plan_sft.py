@@ -86,8 +86,8 @@ def test_machine_detection_is_light():
 def test_free_ports_avoid_the_ephemeral_range(monkeypatch):
     from skyrl_cli.plan import machine
 
-    low = machine.ephemeral_port_range()[0]
+    low = machine.ephemeral_port_floor()
     ports = find_free_ports(5)
     assert len(set(ports)) == 5 and all(machine.PORT_FLOOR <= p < low for p in ports)
-    monkeypatch.setattr(machine, "ephemeral_port_range", lambda: (machine.PORT_FLOOR + 2, 60999))
+    monkeypatch.setattr(machine, "ephemeral_port_floor", lambda: machine.PORT_FLOOR + 2)
     assert len(set(find_free_ports(3))) == 3  # no room below it: the kernel chooses
