@@ -18,6 +18,13 @@ when, for every later batch index d, the groups still waiting (buffered or runni
 it instead of training past it. Admission keeps this feasible, so no group is ever trained with
 staleness > S (the proof is the EDF argument; ``test_rollout_buffer`` checks it on random schedules).
 
+Partial batches. A batch never holds more than B groups. Sync dynamic sampling (``take_batch(
+partial_after_drops=n)``) cuts a batch short once more than n groups were dropped since the last
+one, under the same rule: up to B buffered groups, earliest deadlines first, only when every group
+still waiting stays feasible. At S = 0 that means waiting for the groups admitted at the current
+version; meanwhile no group is admitted that the cut would have to wait for, so the bound does stop
+sampling. After ``close`` the buffered groups are drained B at a time and later ones are not kept.
+
 ``StalenessController`` is the pure bookkeeping (deterministic, unit-testable); ``AsyncGroupBuffer``
 wraps it and a ``PromptSampler`` for the orchestrator's asyncio generation workers and trainer feed.
 """
@@ -150,6 +157,8 @@ class StalenessController:
         self.version = version
         self.batches_taken = version if batches_taken is None else batches_taken
         self.dropped_total = 0
+        self.dropped_since_take = 0
+        self.partial_after_drops: int | None = None  # the drop bound of sync dynamic sampling (None: off)
         self._running: Counter[int] = Counter()  # start_version -> groups generating
         self._ready: list[Group] = []
 
@@ -167,10 +176,18 @@ class StalenessController:
         limit = (self.S + self.version + 1) * self.B
         return limit - (self.batches_taken * self.B + self.buffered + self.running)
 
-    def start(self) -> int:
-        """Admit one group; returns its start version. Raises when there is no capacity."""
+    def can_start(self) -> bool:
+        """Capacity, and while a partial batch is due no group that would hold it up: otherwise the
+        slot of every dropped group would be refilled at once (at S = 0 the new group is due in the
+        very batch the trainer waits to cut) and the drop bound would never stop sampling."""
         if self.capacity <= 0:
-            raise RuntimeError("no generation capacity (check capacity before start)")
+            return False
+        return not self.partial_due or self._can_take(1, extra_running=(self.version,))
+
+    def start(self) -> int:
+        """Admit one group; returns its start version. Raises when ``can_start()`` is False."""
+        if not self.can_start():
+            raise RuntimeError("no generation capacity (check can_start before start)")
         self._running[self.version] += 1
         return self.version
 
@@ -188,9 +205,10 @@ class StalenessController:
             self._ready.append(group)
         else:
             self.dropped_total += 1
+            self.dropped_since_take += 1
 
     def abort(self, start_version: int) -> None:
-        """A group's generation failed: free its slot."""
+        """A group's generation failed (or finished after close): free its slot."""
         self._release(start_version)
 
     # -- trainer side
@@ -210,30 +228,51 @@ class StalenessController:
                 return False
         return True
 
-    def batch_ready(self) -> bool:
-        if self.buffered < self.B:
+    def _can_take(self, min_groups: int, extra_running: tuple[int, ...] = ()) -> bool:
+        """At least ``min_groups`` are buffered, and taking up to B of them now (earliest deadlines
+        first) leaves every group still waiting (plus ``extra_running``) feasible."""
+        if self.buffered < min_groups:
             return False
-        if not self.running:
+        if not self.running and not extra_running:
             return True  # everything is in hand: earliest deadlines first is the best there is
         rest = self._ordered_ready()[self.B :]
-        remaining = [g.start_version for g in rest] + list(self._running.elements())
+        remaining = [g.start_version for g in rest] + list(self._running.elements()) + list(extra_running)
         return self._feasible_after(remaining, self.batches_taken + 1)
 
-    def take(self) -> list[Group]:
-        """The next training batch (batch index ``batches_taken``), earliest deadlines first."""
-        if not self.batch_ready():
-            raise RuntimeError("batch not ready (check batch_ready before take)")
+    @property
+    def partial_due(self) -> bool:
+        """More groups than ``partial_after_drops`` were dropped since the last batch and some are
+        buffered: sync dynamic sampling stops sampling and trains on fewer than B groups."""
+        bound = self.partial_after_drops
+        return bound is not None and self.dropped_since_take > bound and self.buffered > 0
+
+    def batch_ready(self) -> bool:
+        return self._can_take(self.B)
+
+    def partial_ready(self) -> bool:
+        """A batch of up to B groups may be cut now: ``partial_due`` and, as for a full batch,
+        nothing still waiting would miss its deadline (else the trainer waits for the running ones)."""
+        return self.partial_due and self._can_take(1)
+
+    def _pop(self, n: int) -> list[Group]:
         ordered = self._ordered_ready()
-        batch, self._ready = ordered[: self.B], ordered[self.B :]
+        batch, self._ready = ordered[:n], ordered[n:]
         self.batches_taken += 1
+        self.dropped_since_take = 0
         return batch
 
-    def take_partial(self) -> list[Group]:
-        """Whatever is buffered (at the end of the data), earliest deadlines first."""
-        batch, self._ready = self._ordered_ready(), []
-        if batch:
-            self.batches_taken += 1
-        return batch
+    def take(self, *, partial: bool = False) -> list[Group]:
+        """The next training batch (batch index ``batches_taken``), earliest deadlines first: B
+        groups once ``batch_ready()``; with ``partial=True`` also up to B once ``partial_ready()``."""
+        if not (self.batch_ready() or (partial and self.partial_ready())):
+            raise RuntimeError("batch not ready (check batch_ready / partial_ready before take)")
+        return self._pop(self.B)
+
+    def drain(self) -> list[Group]:
+        """At most B buffered groups, earliest deadlines first, without waiting for running ones
+        (the buffer is closed: groups finishing later are never trained). A subset of a feasible set
+        stays feasible, so the drained batches keep the bound too. Empty when nothing is buffered."""
+        return self._pop(self.B) if self._ready else []
 
     def publish(self, version: int) -> None:
         """The trainer published new weights."""
@@ -298,7 +337,6 @@ class AsyncGroupBuffer:
         self.drop_zero_variance = drop_zero_variance
         self._cond = asyncio.Condition()
         self._closed = False
-        self._dropped_since_last = 0
         self._taken_uids: dict[int, list[str]] = {}
         self.generation_blocked_s = 0.0  # time generation waited for capacity (staleness bound)
         self.last_batch_partial = False  # the last batch was cut short (closed, or the drop bound)
@@ -307,20 +345,24 @@ class AsyncGroupBuffer:
     async def start_group(self) -> tuple[PromptRef, int] | None:
         async with self._cond:
             began = time.monotonic()
-            await self._cond.wait_for(lambda: self._closed or self.controller.capacity > 0)
+            await self._cond.wait_for(lambda: self._closed or self.controller.can_start())
             self.generation_blocked_s += time.monotonic() - began
             if self._closed:
                 return None
             return self.sampler.next(), self.controller.start()
 
     async def finish_group(self, group: Group) -> bool:
-        """Returns False when the group was dropped (all rewards equal, dynamic sampling on)."""
+        """Returns False when the group was dropped (all rewards equal, dynamic sampling on) or the
+        buffer is closed (no batch waits for it: its prompt stays in flight, drawn again on resume)."""
         async with self._cond:
+            if self._closed:
+                self.controller.abort(group.start_version)
+                self._cond.notify_all()
+                return False
             keep = not (self.drop_zero_variance and group.all_rewards_equal())
             self.controller.finish(group, keep=keep)
             if not keep:
                 self.sampler.mark_dropped(group.prompt_uid)
-                self._dropped_since_last += 1
             self._cond.notify_all()
             return keep
 
@@ -332,34 +374,32 @@ class AsyncGroupBuffer:
 
     # -- trainer side
     async def take_batch(self, *, partial_after_drops: int | None = None) -> TakenBatch | None:
-        """The next batch (waits). ``partial_after_drops``: the bound of sync dynamic sampling:
-        once more groups than this were dropped since the last batch, take what is buffered."""
-
-        def bound_hit() -> bool:
-            return (
-                partial_after_drops is not None
-                and self._dropped_since_last > partial_after_drops
-                and self.controller.buffered > 0
-            )
-
+        """The next batch of at most B groups (waits). ``partial_after_drops``: the bound of sync
+        dynamic sampling: once more groups than this were dropped since the last batch, generation
+        stops admitting groups the cut would have to wait for, and up to B buffered groups are
+        taken as soon as that leaves every running group able to meet its deadline (see
+        ``StalenessController.partial_ready``). The bound stays set until the next call."""
+        c = self.controller
         async with self._cond:
+            if c.partial_after_drops != partial_after_drops:
+                c.partial_after_drops = partial_after_drops
+                self._cond.notify_all()  # a lifted bound may re-open admission
             began = time.monotonic()
-            await self._cond.wait_for(lambda: self._closed or self.controller.batch_ready() or bound_hit())
-            step = self.controller.batches_taken
-            self.last_batch_partial = not self.controller.batch_ready()
-            if self.controller.batch_ready():
-                groups = self.controller.take()
-            else:  # closed: train on what is left, if anything
-                groups = self.controller.take_partial()
+            await self._cond.wait_for(lambda: self._closed or c.batch_ready() or c.partial_ready())
+            step, dropped = c.batches_taken, c.dropped_since_take
+            self.last_batch_partial = not c.batch_ready()
+            if c.batch_ready() or c.partial_ready():
+                groups = c.take(partial=True)
+            else:  # closed: train on what is left, B groups at a time, if anything
+                groups = c.drain()
                 if not groups:
                     return None
             for g in groups:
                 self.sampler.mark_consumed(g.prompt_uid)
             self._taken_uids[step] = [g.prompt_uid for g in groups]
-            for old in [k for k in self._taken_uids if k < step - 2 * (self.controller.S + 2)]:
+            for old in [k for k in self._taken_uids if k < step - 2 * (c.S + 2)]:
                 del self._taken_uids[old]
             mean, worst = staleness(groups, step)
-            dropped, self._dropped_since_last = self._dropped_since_last, 0
             self._cond.notify_all()  # taking frees capacity
             return TakenBatch(step, groups, mean, worst, dropped, time.monotonic() - began)
 
@@ -370,7 +410,8 @@ class AsyncGroupBuffer:
 
     async def close(self) -> None:
         """Stop admitting and wake every waiter: ``start_group`` returns None, ``take_batch``
-        returns what is left (then None)."""
+        returns what is buffered, B groups at a time (then None); groups finishing later are not
+        kept."""
         async with self._cond:
             self._closed = True
             self._cond.notify_all()

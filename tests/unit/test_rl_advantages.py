@@ -27,12 +27,13 @@ def test_group_index_is_dense_first_seen():
 def test_grpo_std_normalised_by_hand():
     adv = grpo_advantages(REWARDS, group_index(IDS), std_normalize=True, eps=0.0)
     z = 0.5 / math.sqrt(1 / 3)  # 0.8660
-    assert adv.tolist() == pytest.approx([z, -z, 0.0, -z, 0.0, z, 0.0], abs=1e-6)
+    # "c" alone: mean 0, std 1 (verl) -> its raw reward 3
+    assert adv.tolist() == pytest.approx([z, -z, 0.0, -z, 0.0, z, 3.0], abs=1e-6)
 
 
 def test_grpo_without_std_is_mean_centred():
     adv = grpo_advantages(REWARDS, group_index(IDS), std_normalize=False)
-    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.0, -0.5, 0.0, 0.5, 0.0])
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.0, -0.5, 0.0, 0.5, 3.0])
 
 
 def test_grpo_zero_variance_group_gives_exact_zeros():
@@ -42,11 +43,11 @@ def test_grpo_zero_variance_group_gives_exact_zeros():
 
 def test_rloo_leave_one_out_by_hand():
     # group x = [2, 0, 1]: 2 - mean(0,1) = 1.5; 0 - mean(2,1) = -1.5; 1 - mean(2,0) = 0
-    # group y = [1, 0, 0, 1]: 1 - 1/3 = 2/3; 0 - 2/3 = -2/3
+    # group y = [1, 0, 0, 1]: 1 - 1/3 = 2/3; 0 - 2/3 = -2/3; z = [5] alone: baseline 0 -> 5
     rewards = torch.tensor([2.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 5.0])
     ids = ["x", "x", "x", "y", "y", "y", "y", "z"]
     adv = rloo_advantages(rewards, group_index(ids))
-    assert adv.tolist() == pytest.approx([1.5, -1.5, 0.0, 2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0], abs=1e-6)
+    assert adv.tolist() == pytest.approx([1.5, -1.5, 0.0, 2 / 3, -2 / 3, -2 / 3, 2 / 3, 5.0], abs=1e-6)
 
 
 def test_reinforce_pp_whitens_token_returns_over_batch():
@@ -89,3 +90,18 @@ def test_equal_rewards_that_do_not_average_exactly_still_give_zero():
     adv = grpo_advantages(rewards, torch.zeros(10, dtype=torch.long), std_normalize=True)
     assert torch.equal(adv, torch.zeros(10))
     assert torch.equal(rloo_advantages(rewards, torch.zeros(10, dtype=torch.long)), torch.zeros(10))
+
+
+def test_singleton_groups_keep_their_raw_reward_as_verl():
+    # verl's GRPO for a group of one: mean 0, std 1 -> (r - 0) / (1 + eps); RLOO: baseline 0 -> r
+    rewards = torch.tensor([0.5, -2.0, 0.0])
+    index = torch.tensor([0, 1, 2])
+    eps = 1e-6
+    assert grpo_advantages(rewards, index, std_normalize=True, eps=eps).tolist() == pytest.approx(
+        [0.5 / (1 + eps), -2.0 / (1 + eps), 0.0], abs=1e-6
+    )
+    assert grpo_advantages(rewards, index, std_normalize=False).tolist() == pytest.approx([0.5, -2.0, 0.0])
+    assert rloo_advantages(rewards, index).tolist() == pytest.approx([0.5, -2.0, 0.0])
+    mask = torch.tensor([[1, 1], [1, 0], [0, 1]])
+    adv = compute_advantages(rewards, ["a", "b", "c"], mask, AdvantageConfig(kind="rloo"))
+    assert torch.equal(adv, torch.tensor([[0.5, 0.5], [-2.0, 0.0], [0.0, 0.0]]))

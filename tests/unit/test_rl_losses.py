@@ -51,6 +51,8 @@ def test_ppo_clip_reductions_by_hand(reduction, expected):
     loss, metrics = policy_loss(new, old, adv, mask, _cfg(reduction=reduction), norm)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert metrics["train/clip_frac"] == pytest.approx(2 / 5)
+    assert metrics["train/clip_frac_low"] == pytest.approx(1 / 5)  # row 1, r=0.5, A<0
+    assert metrics["train/clip_frac_high"] == pytest.approx(1 / 5)  # row 0, r=1.5, A>0
     assert metrics["train/ratio_max"] == pytest.approx(1.5)
     assert metrics["train/ratio_min"] == pytest.approx(0.5)
     assert metrics["train/ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.5 + 0.5 + 1.1) / 5)
@@ -105,18 +107,56 @@ def test_gspo_uses_sequence_geometric_ratio_and_token_gradients():
     assert m2["train/clip_frac"] == pytest.approx(1.0)
 
 
-def test_cispo_clipped_weight_times_logprob():
-    lp = torch.tensor([[-0.1, -0.2, -0.3]], requires_grad=True)
-    old = lp.detach() - torch.tensor([[LN(1.5), LN(0.5), LN(1.1)]])  # r = 1.5, 0.5, 1.1
-    adv = torch.ones(1, 3)
-    mask = torch.ones(1, 3)
+@pytest.mark.parametrize("kind", ["ppo_clip", "dual_clip", "gspo"])
+def test_clip_fractions_count_only_the_active_bound(kind):
+    # r:  1.5  0.5  1.5  0.5  1.5  0.5  1.0   (gspo: one token per row, so r is the sequence ratio)
+    # A:  +1   -1   -1   +1    0    0   +1
+    # the lower bound acts on (0.5, A<0) only, the upper on (1.5, A>0) only; A = 0 is never clipped
+    r = [1.5, 0.5, 1.5, 0.5, 1.5, 0.5, 1.0]
+    old = torch.zeros(7, 1)
+    new = torch.tensor([[LN(x)] for x in r])
+    adv = torch.tensor([[1.0], [-1.0], [-1.0], [1.0], [0.0], [0.0], [1.0]])
+    mask = torch.ones(7, 1)
+    _, m = policy_loss(new, old, adv, mask, _cfg(kind=kind), LossNormalizer.from_masks([mask]))
+    assert m["train/clip_frac_low"] == pytest.approx(1 / 7)
+    assert m["train/clip_frac_high"] == pytest.approx(1 / 7)
+    assert m["train/clip_frac"] == pytest.approx(2 / 7)
+
+
+def test_gspo_reduces_per_sequence_whatever_the_configured_reduction():
+    # row 0: log r = (ln 2, 0), A = -1: s = sqrt 2 (below the clip for A<0), token loss s, 2 tokens
+    # row 1: log r = ln 1.1 on its one token, A = +1: s = 1.1 < 1.28, token loss -1.1
+    old = torch.zeros(2, 2)
+    start = torch.tensor([[LN(2.0), 0.0], [LN(1.1), 3.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([[-1.0, -1.0], [1.0, 1.0]])
+    norm = LossNormalizer.from_masks([mask], max_seq_len=8)
+    s = math.sqrt(2.0)
+    for reduction in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm"):
+        new = start.clone().requires_grad_(True)
+        loss, _ = policy_loss(new, old, adv, mask, _cfg(kind="gspo", reduction=reduction), norm)
+        # the paper: mean over sequences of each sequence's token mean (token_mean would give (2s - 1.1) / 3)
+        assert loss.item() == pytest.approx((s - 1.1) / 2, abs=1e-6), reduction
+        loss.backward()
+        # row 0: d(s * exp(lp - sg lp)) = s per token, / 2 tokens / 2 sequences; row 1: -1.1 / 1 / 2
+        assert torch.allclose(new.grad, torch.tensor([[s / 4, s / 4], [-0.55, 0.0]]), atol=1e-6), reduction
+
+
+def test_cispo_truncates_the_weight_above_only():
+    lp = torch.tensor([[-0.1, -0.2, -0.3, -0.4]], requires_grad=True)
+    old = lp.detach() - torch.tensor([[LN(1.5), LN(0.5), LN(1.1), LN(2.0)]])  # r = 1.5, 0.5, 1.1, 2.0
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4)
     loss, m = policy_loss(lp, old, adv, mask, _cfg(kind="cispo"), LossNormalizer.from_masks([mask]))
-    # weights sg(clip(r, .8, 1.28)) = 1.28, 0.8, 1.1; loss = -A w lp
-    assert loss.item() == pytest.approx((1.28 * 0.1 + 0.8 * 0.2 + 1.1 * 0.3) / 3, abs=1e-6)
+    # weights sg(min(r, 1.28)) = 1.28, 0.5 (no lower bound), 1.1, 1.28; loss = -A w lp
+    assert loss.item() == pytest.approx((1.28 * 0.1 + 0.5 * 0.2 + 1.1 * 0.3 - 1.28 * 0.4) / 4, abs=1e-6)
     loss.backward()
-    # clipped tokens keep a gradient (unlike PPO), scaled by the clipped weight
-    assert torch.allclose(lp.grad, -torch.tensor([[1.28, 0.8, 1.1]]) / 3, atol=1e-6)
-    assert m["train/clip_frac"] == pytest.approx(2 / 3)
+    # truncated tokens keep a gradient (unlike PPO), scaled by the truncated weight
+    assert torch.allclose(lp.grad, -torch.tensor([[1.28, 0.5, 1.1, -1.28]]) / 4, atol=1e-6)
+    # truncation does not depend on the sign of A: r = 1.5 (A>0) and r = 2.0 (A<0)
+    assert m["train/clip_frac_high"] == pytest.approx(2 / 4)
+    assert m["train/clip_frac_low"] == 0.0
+    assert m["train/clip_frac"] == pytest.approx(2 / 4)
 
 
 def test_is_weights_scale_token_losses():

@@ -5,8 +5,13 @@ GRPO and RLOO compute one scalar per sample from its group and broadcast it; REI
 the per-token returns over the whole batch (so it needs the mask to weight samples by length).
 
 Conventions (as in SkyRL / verl, so figures compare):
-- GRPO std is the unbiased group std; a zero-variance group gives exactly zero advantages.
-- A group of one sample gets zero advantage (no baseline exists) under GRPO and RLOO.
+- GRPO std is the unbiased group std; a zero-variance group (of two or more) gives exactly zero
+  advantages.
+- A group of one sample has no group baseline: verl takes mean 0 and std 1, so GRPO gives the raw
+  reward ``r / (1 + eps)`` (``r`` without std_normalize). RLOO has no leave-one-out baseline
+  either and likewise keeps the raw reward ``r`` (verl's RLOO does the same): plain REINFORCE
+  for that sample, still an unbiased gradient, where a zero would silently discard it. Dynamic
+  sampling drops such groups anyway (one reward is "all equal").
 """
 
 from __future__ import annotations
@@ -51,19 +56,23 @@ def grpo_advantages(
     """GRPO: ``r - mean(group)``, divided by ``std(group) + eps`` when ``std_normalize``. Shape [N]."""
     rewards = rewards.to(torch.float32)
     size, mean, std = _group_stats(rewards, index)
+    alone = size == 1  # no baseline: mean 0, std 1 (verl)
+    mean = torch.where(alone, torch.zeros_like(mean), mean)
+    std = torch.where(alone, torch.ones_like(std), std)
     adv = rewards - mean
     if std_normalize:
         # a zero-variance group has adv == 0 exactly; keep it 0 even with eps = 0 (no 0/0)
         adv = torch.where(std > 0, adv / (std + eps), torch.zeros_like(adv))
-    return torch.where(size > 1, adv, torch.zeros_like(adv))
+    return adv
 
 
 def rloo_advantages(rewards: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """RLOO: ``r_i - mean of the other samples in the group`` = ``n/(n-1) * (r_i - mean)``. Shape [N]."""
+    """RLOO: ``r_i - mean of the other samples in the group`` = ``n/(n-1) * (r_i - mean)``; a sample
+    alone in its group keeps its raw reward (baseline 0). Shape [N]."""
     rewards = rewards.to(torch.float32)
     size, mean, _ = _group_stats(rewards, index)
     adv = (rewards - mean) * size / (size - 1).clamp(min=1)
-    return torch.where(size > 1, adv, torch.zeros_like(adv))
+    return torch.where(size > 1, adv, rewards)
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -128,6 +128,39 @@ def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tens
     return (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
 
+def _policy_ratio(logprobs: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind != "gspo":
+        return torch.exp(log_ratio)
+    seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    # value: the sequence ratio; gradient: d logprob of each token (sg = stop-gradient)
+    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
+    return torch.exp(token_log_ratio.clamp(max=_LOG_RATIO_CLAMP))
+
+
+def _surrogate(
+    ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Token losses, the (low, high) clip masks and extra per-token indicators of one kind."""
+    low, high = 1.0 - config.eps_low, 1.0 + config.eps_high
+    r = ratio.detach()
+    extra: dict[str, torch.Tensor] = {}
+    if config.kind == "cispo":
+        # MiniMax-M1 truncates the weight above only; below it is left alone (eps_low unused)
+        token_losses = -advantages * r.clamp(max=high) * logprobs
+        return token_losses, torch.zeros_like(r), (r > high).to(r.dtype), extra
+    if config.kind not in ("ppo_clip", "dual_clip", "gspo"):
+        raise ValueError(f"unknown policy loss {config.kind!r}")
+    token_losses = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
+    # the tokens whose gradient the clip removes: each bound is active for one sign of A only
+    clip_low = ((r < low) & (advantages < 0)).to(r.dtype)
+    clip_high = ((r > high) & (advantages > 0)).to(r.dtype)
+    if config.kind == "dual_clip":
+        cap = -advantages * config.dual_clip_c
+        extra["train/dual_clip_frac"] = ((advantages < 0) & (cap < token_losses)).to(r.dtype)
+        token_losses = torch.where(advantages < 0, torch.min(token_losses, cap), token_losses)
+    return token_losses, clip_low, clip_high, extra
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -149,56 +182,40 @@ def policy_loss(
     - ppo_clip: ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``.
     - dual_clip: ppo_clip, and for A < 0 the loss is capped at ``-c A`` (c = dual_clip_c).
     - gspo: the ratio is the sequence's geometric mean ``exp(mean_t log r)`` (value), with the
-      gradient of each token's own logprob (GSPO-token), then the PPO clip.
-    - cispo: ``-sg(clip(r, 1-eps_low, 1+eps_high)) * A * logprob``: clipped tokens still get a
-      gradient, scaled by the clipped weight.
+      gradient of each token's own logprob (GSPO-token), then the PPO clip. Always reduced as
+      the paper does, the mean over sequences of each sequence's token mean (its 1/|y|):
+      ``sequence_mean`` whatever ``config.reduction`` says.
+    - cispo: ``-sg(min(r, 1+eps_high)) * A * logprob`` (MiniMax-M1): the weight is truncated above
+      only (``eps_low`` does not apply) and truncated tokens still get a gradient.
+
+    Metrics: ``train/clip_frac_low``: tokens where the lower bound acts (r < 1-eps_low, A < 0);
+    ``train/clip_frac_high``: r > 1+eps_high, A > 0 (the tokens whose gradient the clip removes;
+    for cispo: tokens whose weight is truncated, either sign of A, and low is 0);
+    ``train/clip_frac`` = low + high; approx_kl (k3), ratio mean / min / max (gspo: the sequence
+    ratio of each token).
     """
     mask = mask.to(logprobs.dtype)
     advantages = advantages.to(logprobs.dtype)
-    log_ratio = _log_ratio(logprobs, old_logprobs)
-    low, high = 1.0 - config.eps_low, 1.0 + config.eps_high
-    extra: dict[str, float | None] = {}
-
-    if config.kind == "gspo":
-        seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        # value: the sequence ratio; gradient: d logprob of each token (sg = stop-gradient)
-        token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
-        ratio = torch.exp(token_log_ratio.clamp(max=_LOG_RATIO_CLAMP))
-    else:
-        ratio = torch.exp(log_ratio)
-
-    if config.kind in ("ppo_clip", "dual_clip", "gspo"):
-        surr_unclipped = ratio * advantages
-        surr_clipped = ratio.clamp(low, high) * advantages
-        token_losses = -torch.min(surr_unclipped, surr_clipped)
-        clipped = (surr_clipped < surr_unclipped).to(logprobs.dtype)
-        if config.kind == "dual_clip":
-            cap = -advantages * config.dual_clip_c
-            dual = ((advantages < 0) & (cap < token_losses)).to(logprobs.dtype)
-            token_losses = torch.where(advantages < 0, torch.min(token_losses, cap), token_losses)
-            extra["train/dual_clip_frac"] = token_share(dual, mask, normalizer)
-    elif config.kind == "cispo":
-        weight = ratio.detach().clamp(low, high)
-        token_losses = -advantages * weight * logprobs
-        clipped = ((ratio.detach() < low) | (ratio.detach() > high)).to(logprobs.dtype)
-    else:
-        raise ValueError(f"unknown policy loss {config.kind!r}")
-
+    ratio = _policy_ratio(logprobs, _log_ratio(logprobs, old_logprobs), mask, config.kind)
+    token_losses, clip_low, clip_high, extra = _surrogate(ratio, logprobs, advantages, config)
     if is_weights is not None:
         token_losses = token_losses * is_weights.detach().to(token_losses.dtype)
 
-    loss = reduce_loss(token_losses, mask, config.reduction, normalizer)
+    reduction = "sequence_mean" if config.kind == "gspo" else config.reduction
+    loss = reduce_loss(token_losses, mask, reduction, normalizer)
     ratio_value = ratio.detach()
     # k3 estimate of KL(pi_old || pi_new) from tokens sampled by pi_old: (r - 1) - log r >= 0
     approx_kl = (ratio_value - 1.0) - torch.log(ratio_value)
     metrics: dict[str, float | None] = {
         "train/policy_loss": float(loss.detach()),
-        "train/clip_frac": token_share(clipped, mask, normalizer),
+        "train/clip_frac": token_share(clip_low + clip_high, mask, normalizer),
+        "train/clip_frac_low": token_share(clip_low, mask, normalizer),
+        "train/clip_frac_high": token_share(clip_high, mask, normalizer),
         "train/approx_kl": token_share(approx_kl, mask, normalizer),
         "train/ratio_mean": token_share(ratio_value, mask, normalizer),
         "train/ratio_max": masked_extreme(ratio_value, mask, "max"),
         "train/ratio_min": masked_extreme(ratio_value, mask, "min"),
-        **extra,
+        **{key: token_share(flags, mask, normalizer) for key, flags in extra.items()},
     }
     return loss, {k: v for k, v in metrics.items() if v is not None}
 
