@@ -49,14 +49,20 @@ def _debug() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app and map failures to messages and exit codes."""
+    from skyrl_cli.launch.interrupts import Interrupted, stop_signals_raise
+
     try:
-        app(args=argv, standalone_mode=False)
+        with stop_signals_raise():  # Ctrl-C / SIGTERM / SIGHUP: one behaviour for every command
+            code = app(args=argv, standalone_mode=False)
     except SkyrlError as err:
         if _debug():
             raise
         for line in str(err).splitlines() or [type(err).__name__]:
-            print(f"error: {line}", file=sys.stderr)
+            print(f"{err.prefix}{line}", file=sys.stderr)
         sys.exit(err.exit_code)
+    except Interrupted as stop:  # outside a run (a run reports RunInterrupted)
+        print(f"interrupted ({stop})", file=sys.stderr)
+        sys.exit(stop.exit_code)
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except typer.Abort:
@@ -75,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: internal error: {type(err).__name__}: {err} (set SKYRL_DEBUG=1 for a traceback)", file=sys.stderr)
         sys.exit(1)
+    # Without standalone mode Typer *returns* the code of a typer.Exit (and of a KeyboardInterrupt,
+    # as 130) instead of exiting: ignoring it made an interrupted run exit 0.
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

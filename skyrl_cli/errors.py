@@ -7,6 +7,7 @@ class SkyrlError(Exception):
     """An expected failure: printed as one line, exit code ``exit_code``, no traceback."""
 
     exit_code = 1
+    prefix = "error: "  # put before each line of the message
 
 
 class UsageError(SkyrlError):
@@ -27,3 +28,14 @@ class LaunchError(SkyrlError):
     """A process of the plan failed to start, died, or a stage failed."""
 
     exit_code = 1
+
+
+class RunInterrupted(SkyrlError):
+    """A run stopped by a signal (``skyrl_cli.launch.interrupts``). The message is the run's last
+    line, printed as is (no "error:" prefix); exit code 128 + the signal number (130 for SIGINT)."""
+
+    prefix = ""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

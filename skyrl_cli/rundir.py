@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,31 @@ def resolve_run_dir(recipe: Recipe, stage: str, run_dir: str | os.PathLike | Non
 def sft_output_dir(recipe: Recipe, root: Path = RUNS_ROOT) -> Path:
     """Where ``rl.init_from = "sft"`` points: the final model of this recipe's SFT stage."""
     return default_run_dir(recipe, "sft", root) / "final"
+
+
+# A checkpoint directory is complete once its trainer state is in it: the trainer writes it last
+# and renames the directory into place (backends.train.checkpoint). Listed here, without torch, for
+# the CLI (interruption messages, publishing final/) and for the trainers.
+CHECKPOINT_STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete ``checkpoints/step-<n>/``, oldest first (numeric order)."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and (child / CHECKPOINT_STATE_FILE).is_file():
+                found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint, or ``None``."""
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:

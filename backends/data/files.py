@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 
@@ -41,3 +42,12 @@ def load_rows(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
         rows = pq.read_table(p).to_pylist()
         return rows[:limit] if limit is not None else rows
     raise ValueError(f"{p}: unsupported data file (use .jsonl, .parquet or an HF dataset directory)")
+
+
+def hold_out(rows: list, eval_size: int, seed: int) -> tuple[list, list]:
+    """(train, held-out) when the recipe names no eval file: a seeded subset of at most
+    ``eval_size`` rows and at most 10% of them, removed from training. The SFT stage and the RL
+    stage both call it, so they evaluate on the same rows and never train on them."""
+    k = min(eval_size, len(rows) // 10)
+    held = set(random.Random(f"{seed}:heldout").sample(range(len(rows)), k))
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]

@@ -14,8 +14,8 @@ from functools import lru_cache
 from typing import Callable
 
 from backends.data.chat import Example, encode_conversations, encode_prompt, split_reference, to_messages
-from backends.data.files import load_rows
-from backends.data.tasks import Task, exact_match, get_task
+from backends.data.files import hold_out, load_rows
+from backends.data.tasks import Task, exact_match, flawed_demonstrations, get_task
 from skyrl_cli.recipe.schema import DataConfig
 
 
@@ -62,17 +62,16 @@ def load_source(data: DataConfig, seed: int) -> SourceRows:
     if data.task is not None:
         task = get_task(data.task, data.digits)
         train = task.make_rows(seed, data.train_size, "train")
+        if data.flawed_demos:
+            train = flawed_demonstrations(task, train, data.flawed_demos, seed)
         evals = task.make_rows(seed, data.eval_size, "eval")
         as_chat = lambda row: task.prompt(row) + [{"role": "assistant", "content": row["answer"]}]  # noqa: E731
         return SourceRows([as_chat(r) for r in train], [as_chat(r) for r in evals], task, evals)
     train = [to_messages(r, data.format) for r in load_rows(data.train)]
     if data.eval is not None:
         evals = [to_messages(r, data.format) for r in load_rows(data.eval, limit=data.eval_size)]
-    else:  # hold out a seeded subset of the training rows (at most 10%)
-        k = min(data.eval_size, len(train) // 10)
-        held = set(random.Random(f"{seed}:heldout").sample(range(len(train)), k))
-        evals = [c for i, c in enumerate(train) if i in held]
-        train = [c for i, c in enumerate(train) if i not in held]
+    else:  # hold out a seeded subset of the training rows (at most 10%), as the RL stage does
+        train, evals = hold_out(train, data.eval_size, seed)
     if not train:
         raise ValueError(f"no training rows in {data.train}")
     return SourceRows(train, evals, None)

@@ -83,6 +83,32 @@ class Task:
     def max_answer_chars(self) -> int:
         raise NotImplementedError
 
+    def flawed_answer(self, row: dict) -> str | None:
+        """The answer a sloppy demonstrator writes for this row, or None where it makes no
+        mistake (see ``flawed_demonstrations``). Tasks without a defined flaw return None."""
+        return None
+
+    def has_flaw(self) -> bool:
+        return type(self).flawed_answer is not Task.flawed_answer
+
+
+def flawed_demonstrations(task: Task, rows: list[dict], rate: float, seed: int) -> list[dict]:
+    """SFT rows whose answers come from a sloppy demonstrator: on each row where the task defines a
+    flaw, the flawed answer replaces the right one with probability ``rate`` (seeded per row).
+
+    Why: with ``rate`` > 1/2 the flawed answer is the demonstrations' majority on those rows, so
+    SFT learns to reproduce it under greedy decoding however long it trains, and its held-out
+    accuracy plateaus near the share of rows without a flaw, on every seed and machine; the right
+    answer keeps probability ~(1 - rate) under sampling, so an RL stage with the exact-match reward
+    sees it in most groups and has a job with a known size: unlearning the flaw."""
+    rng = random.Random(f"{seed}:{task.name}:flawed")
+    out = []
+    for row in rows:
+        flawed = task.flawed_answer(row)
+        draw = rng.random()  # one draw per row, so the choice of a row does not depend on the others
+        out.append({**row, "answer": flawed} if flawed is not None and draw < rate else row)
+    return out
+
 
 @dataclass(frozen=True)
 class Addition(Task):
@@ -102,6 +128,12 @@ class Addition(Task):
 
     def max_answer_chars(self) -> int:
         return self.digits + 1
+
+    def flawed_answer(self, row: dict) -> str | None:
+        """Sums with a carry out of the top digit (one digit longer than the operands) lose their
+        last digit: ``"99+01="`` -> ``"10"`` instead of ``"100"``."""
+        answer = row["answer"]
+        return answer[:-1] if len(answer) > self.digits else None
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,20 @@ def load_rows(recipe: Recipe) -> tuple[list[dict], list[dict]]:
 
         task = get_task(data.task, data.digits)
         return task.make_rows(recipe.seed, data.train_size, "train"), task.make_rows(recipe.seed, data.eval_size, "eval")
-    from backends.data.files import load_rows as read_rows
+    from backends.data.files import hold_out, load_rows as read_rows
 
     train = read_rows(data.train)
-    evals = read_rows(data.eval, limit=data.eval_size) if data.eval else train[: min(data.eval_size, len(train) // 10)]
-    return train, evals
+    if data.eval:
+        return train, read_rows(data.eval, limit=data.eval_size)
+    return hold_out(train, data.eval_size, recipe.seed)  # the SFT stage's held-out rows, not trained on
+
+
+def report_user_code(ref: str | None) -> None:
+    """Say which file a recipe's ``module:name`` came from: a module of the same name elsewhere on
+    the import path would otherwise be used silently."""
+    if ref:
+        module = sys.modules.get(ref.partition(":")[0])
+        print(f"user code: {ref} from {getattr(module, '__file__', None) or module}", flush=True)
 
 
 def encode_observation(tokenizer, messages) -> list[int]:
@@ -75,6 +84,7 @@ class Orchestrator:
         self.tokenizer = load_tokenizer(str(args.init_from))
         self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
         self.make_env = environment_factory(self.recipe)
+        report_user_code(self.rl.environment or self.rl.reward)
         self.caller = GuardedCaller(self.rl.reward_timeout_s)
         self.train_rows, self.eval_rows = load_rows(self.recipe)
         self.events = EventWriter(self.run_dir / "events.jsonl", PROCESS_NAME)
@@ -354,7 +364,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
     parser.add_argument("--async", dest="async_mode", action="store_true")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--import-path", action="append", default=[], help="searched first for rl.reward / rl.environment (the recipe's directory)"
+    )
     args = parser.parse_args(argv)
+    sys.path[:0] = [p for p in args.import_path if p not in sys.path]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     orchestrator = Orchestrator(args)

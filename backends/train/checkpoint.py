@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -26,30 +25,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-STATE_FILE = "trainer_state.json"
+# The one checkpoint lister lives with the run directory, light enough for the CLI (no torch).
+from skyrl_cli.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
+from skyrl_cli.rundir import complete_checkpoints, latest_checkpoint  # noqa: F401 - re-exported
+
 DS_TAG = "state"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint, oldest first."""
-    root = checkpoints_dir(run_dir)
-    found = []
-    if root.is_dir():
-        for child in root.iterdir():
-            match = _STEP_DIR.match(child.name)
-            if match and (child / STATE_FILE).is_file():
-                found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1][1] if found else None
 
 
 def remove_leftovers(run_dir: str | os.PathLike) -> None:

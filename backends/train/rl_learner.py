@@ -1,14 +1,25 @@
 """The RL learner process: ``torchrun ... -m backends.train.rl_learner --run-dir DIR --init-from MODEL``.
 
 For each step k it reads ``batches/step-<k>.json`` (written by the orchestrator), computes
-advantages over the whole batch, trains one optimizer step with dynamic micro-batching, and
+advantages over the whole batch, trains ``rl.epochs x rl.mini_batches`` policy updates (each an
+optimizer step over one slice of whole groups, with dynamic micro-batching inside it), and
 publishes the new policy as ``weights/v<k+1>/`` for the engines. Sync and fully-async RL run the
 same learner: only the orchestrator's staleness bound differs, and the off-policy correction
 against the rollout logprobs handles whatever lag there is.
 
-Every rank reads the whole batch and derives the same micro-batch layout and the same loss
-normaliser (total loss tokens / sequences of the batch), so the loss is normalised over the whole
-mini-batch without communication and does not depend on how it was packed.
+The PPO ratio (``rl.loss.ratio``):
+- "proximal" (decoupled PPO, the default): the ratio is taken against the trainer's own logprobs
+  at the start of the step ("old", one no-grad pass before the first update), and the behaviour
+  correction ``min(exp(old - rollout), cap)`` (``rl.async.off_policy``) multiplies the token
+  losses. With one update per step the ratio is exactly 1 (old = current), so the clip cannot act
+  and the pass is skipped; the loss is then the IS-weighted policy gradient.
+- "rollout" (bypass): the ratio is taken directly against the engines' logprobs; it carries the
+  behaviour correction itself (clipped by eps_low / eps_high), no separate IS weights and no
+  extra pass.
+
+Every rank reads the whole batch and derives the same slices, micro-batch layouts and loss
+normalisers (loss tokens / sequences of each slice), so each update's loss is normalised over its
+whole slice without communication and does not depend on how it was packed.
 """
 
 from __future__ import annotations
@@ -37,9 +48,25 @@ class Tensors:
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None = None  # the proximal policy's, filled before the first update
 
     def to(self, device) -> "Tensors":
-        return Tensors(*(t.to(device) for t in (self.input_ids, self.position_ids, self.loss_mask, self.rollout_logprobs, self.advantages)))
+        moved = (self.input_ids, self.position_ids, self.loss_mask, self.rollout_logprobs, self.advantages)
+        old = None if self.old_logprobs is None else self.old_logprobs.to(device)
+        return Tensors(*(t.to(device) for t in moved), old_logprobs=old)
+
+
+@dataclass
+class Update:
+    """One policy update: this rank's micro-batches of one slice and the slice's loss denominators."""
+
+    micro_batches: list[Tensors]
+    normalizer: object  # rl.losses.LossNormalizer
+    layout: object  # packing.StepLayout
+
+
+# Policy metrics reported per update as well (train/update<k>/<name>) when a step has several.
+PER_UPDATE_METRICS = ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_max", "ratio_min")
 
 
 def sample_rows(samples, advantages: torch.Tensor) -> list[tuple[list[int], list[float], list[float], list[float]]]:
@@ -129,6 +156,7 @@ class Learner:
         self.run_dir = run_dir
         self.recipe = recipe = load_recipe(run_dir)
         self.rl = rl = recipe.rl
+        self.updates = rl.epochs * rl.mini_batches
         trainer = recipe.trainer
         self.dist = init_distributed(trainer.device)
         self.events = EventWriter(run_dir / "events.jsonl", PROCESS_NAME) if self.dist.is_main else None
@@ -148,7 +176,8 @@ class Learner:
             model,
             lr=rl.learning_rate,
             weight_decay=0.0,
-            lr_lambda=schedule(rl.warmup_steps, rl.steps, "constant", 1.0),
+            # the scheduler counts optimizer steps: rl.epochs x rl.mini_batches per RL step
+            lr_lambda=schedule(rl.warmup_steps * self.updates, rl.steps * self.updates, "constant", 1.0),
             zero_stage=trainer.zero_stage,
             grad_clip=rl.grad_clip,
             bf16=bf16,
@@ -171,15 +200,26 @@ class Learner:
             print(msg, flush=True)
 
     # ----------------------------------------------------------------------------- one step
-    def _micro_batches(self, samples) -> tuple[list[Tensors], object]:
+    def _updates(self, samples) -> list[Update]:
+        """The step's slices (whole groups), each laid out in micro-batches for this rank."""
         from backends.train.packing import dynamic_layout
+        from backends.train.rl.losses import LossNormalizer
+        from backends.train.rl.minibatch import group_slices
 
         rows = sample_rows(samples, batch_advantages(samples, self.recipe))
-        lengths = [len(r[0]) for r in rows]
-        layout = dynamic_layout(lengths, self.dist.world_size, self.rl.max_tokens_per_microbatch, "padded")
-        mine = [collate_rows([rows[i] for i in mb], self.pad_id) for mb in layout.per_rank[self.dist.rank]]
-        mine += [padding_tensors(self.pad_id)] * layout.padding_microbatches(self.dist.rank)
-        return mine, layout
+        updates = []
+        for members in group_slices([s.prompt_uid for s in samples], self.rl.mini_batches):
+            mine_rows = [rows[i] for i in members]
+            layout = dynamic_layout([len(r[0]) for r in mine_rows], self.dist.world_size, self.rl.max_tokens_per_microbatch, "padded")
+            mine = [collate_rows([mine_rows[i] for i in mb], self.pad_id) for mb in layout.per_rank[self.dist.rank]]
+            mine += [padding_tensors(self.pad_id)] * layout.padding_microbatches(self.dist.rank)
+            normalizer = LossNormalizer(
+                tokens=float(sum(samples[i].num_loss_tokens for i in members)),
+                sequences=float(sum(1 for i in members if samples[i].num_loss_tokens > 0)),
+                max_seq_len=self.rl.max_new_tokens * self.rl.max_turns,
+            )
+            updates.append(Update(mine, normalizer, layout))
+        return updates
 
     def _logprobs(self, model, mb: Tensors) -> torch.Tensor:
         """Logprob of every token given the ones before it, aligned with ``input_ids`` (position 0: 0),
@@ -193,49 +233,63 @@ class Learner:
         next_token = token_logprobs(logits, labels)
         return torch.nn.functional.pad(next_token[:, :-1], (1, 0), value=0.0)
 
-    def train_step(self, samples) -> dict[str, float]:
-        from backends.train.rl.losses import LossNormalizer, kl_loss, merge_metrics, policy_loss
+    def _fill_old_logprobs(self, updates: list[Update]) -> None:
+        """The proximal policy: this step's weights before any update, one no-grad pass. Needed
+        only when a step makes several updates (with one, old = current exactly)."""
+        if self.rl.loss.ratio != "proximal" or self.updates == 1:
+            return
+        with torch.no_grad():
+            for update in updates:
+                for mb in update.micro_batches:
+                    mb.old_logprobs = self._logprobs(self.engine, mb.to(self.dist.device)).cpu()
+
+    def _micro_batch_loss(self, mb: Tensors, normalizer, metrics: dict, first_epoch: bool) -> torch.Tensor:
+        from backends.train.rl.losses import kl_loss, merge_metrics, policy_loss
         from backends.train.rl.off_policy import logprob_diff_metrics, off_policy_correction
 
         rl = self.rl
-        micro_batches, layout = self._micro_batches(samples)
-        normalizer = LossNormalizer(
-            tokens=float(sum(s.num_loss_tokens for s in samples)),
-            sequences=float(sum(1 for s in samples if s.num_loss_tokens > 0)),
-            max_seq_len=rl.max_new_tokens * rl.max_turns,
-        )
+        logprobs = self._logprobs(self.engine, mb)
+        proximal = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        correction = off_policy_correction(proximal, mb.rollout_logprobs, mb.loss_mask, rl.async_.off_policy, normalizer)
+        if rl.loss.ratio == "rollout":  # the ratio against the sampler carries the correction itself
+            old, is_weights = mb.rollout_logprobs, None
+        else:
+            old, is_weights = proximal, correction.is_weights
+        loss, loss_metrics = policy_loss(logprobs, old, mb.advantages, correction.loss_mask, rl.loss, normalizer, is_weights=is_weights)
+        merge_metrics(metrics, loss_metrics)
+        merge_metrics(metrics, correction.metrics)
+        if first_epoch:  # each sample once; vs the proximal logprobs where there are any
+            merge_metrics(metrics, logprob_diff_metrics(proximal, mb.rollout_logprobs, mb.loss_mask, normalizer))
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._logprobs(self.reference, mb)
+            # the corrected mask: a sequence the geometric mask rejected gets no KL gradient either
+            term, kl_metrics = kl_loss(
+                logprobs, ref, correction.loss_mask, coef=rl.kl.coef, estimator=rl.kl.estimator,
+                reduction="sequence_mean" if rl.loss.kind == "gspo" else rl.loss.reduction, normalizer=normalizer,
+            )  # fmt: skip
+            loss = loss + term
+            merge_metrics(metrics, kl_metrics)
+        return loss
+
+    def _update(self, update: Update, first_epoch: bool) -> dict[str, float]:
+        """One optimizer step over one slice; its metrics summed over ranks."""
         metrics: dict[str, float] = {}
-        world = self.dist.world_size
-        for mb in micro_batches:
-            mb = mb.to(self.dist.device)
-            logprobs = self._logprobs(self.engine, mb)
-            # One update per batch: the PPO ratio is taken against the trainer's own logprobs
-            # (ratio 1, gradient of the surrogate); lag behind the sampler is handled by the
-            # importance weights against the rollout logprobs.
-            old = logprobs.detach()
-            correction = off_policy_correction(old, mb.rollout_logprobs, mb.loss_mask, rl.async_.off_policy, normalizer)
-            loss, loss_metrics = policy_loss(
-                logprobs, old, mb.advantages, correction.loss_mask, rl.loss, normalizer, is_weights=correction.is_weights
-            )
-            merge_metrics(metrics, {k: v for k, v in loss_metrics.items() if k != "train/policy_loss"})
-            merge_metrics(metrics, {"train/policy_loss": float(loss.detach())})
-            merge_metrics(metrics, correction.metrics)
-            merge_metrics(metrics, logprob_diff_metrics(old, mb.rollout_logprobs, mb.loss_mask, normalizer))
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref = self._logprobs(self.reference, mb)
-                term, kl_metrics = kl_loss(
-                    logprobs, ref, mb.loss_mask, coef=rl.kl.coef, estimator=rl.kl.estimator,
-                    reduction=rl.loss.reduction, normalizer=normalizer,
-                )
-                loss = loss + term
-                merge_metrics(metrics, kl_metrics)
+        for mb in update.micro_batches:
+            loss = self._micro_batch_loss(mb.to(self.dist.device), update.normalizer, metrics, first_epoch)
             # DeepSpeed averages gradients over ranks; the shares must add up, hence * world.
-            self.engine.backward(loss * world, scale_wrt_gas=False)
+            self.engine.backward(loss * self.dist.world_size, scale_wrt_gas=False)
         self.engine.step()
-        out = reduce_metrics(metrics, self.dist.device)
-        out["train/num_microbatches"] = layout.num_microbatches
-        out["train/padding_microbatches"] = layout.padding_microbatches()
+        return reduce_metrics(metrics, self.dist.device)
+
+    def train_step(self, samples) -> dict[str, float]:
+        updates = self._updates(samples)
+        self._fill_old_logprobs(updates)
+        per_update = [self._update(u, epoch == 0) for epoch in range(self.rl.epochs) for u in updates]
+        out = combine_updates(per_update)
+        out["train/num_microbatches"] = sum(u.layout.num_microbatches for u in updates)
+        out["train/padding_microbatches"] = sum(u.layout.padding_microbatches() for u in updates)
+        out["train/updates"] = float(len(per_update))
         return out
 
     # ----------------------------------------------------------------------------- the loop
@@ -307,6 +361,27 @@ class Learner:
                 self.exchange.drop_batch(step)  # old weights are pruned by the orchestrator, which knows what engines use
         if self.events:
             self.events.close()
+
+
+def combine_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """A step's figures from its updates' figures: the mean over updates (``_max`` / ``_min``:
+    the max / min), plus the policy metrics of each update when there are several."""
+    names = sorted(set().union(*per_update))
+    out: dict[str, float] = {}
+    for name in names:
+        values = [m[name] for m in per_update if name in m]
+        if name.endswith("_max"):
+            out[name] = max(values)
+        elif name.endswith("_min"):
+            out[name] = min(values)
+        else:
+            out[name] = sum(values) / len(values)
+    if len(per_update) > 1:
+        for k, metrics in enumerate(per_update, start=1):
+            for short in PER_UPDATE_METRICS:
+                if f"train/{short}" in metrics:
+                    out[f"train/update{k}/{short}"] = metrics[f"train/{short}"]
+    return out
 
 
 def staleness_metrics(samples, trained_step: int) -> dict[str, float]:

@@ -75,6 +75,13 @@ def load_for_run(recipe: str, sets: list[str] | None, stage: str | None, gpu_cou
     return loaded
 
 
+def recipe_dir(recipe: str) -> Path:
+    """The directory of the recipe argument's file: relative paths and user code are found there."""
+    from skyrl_cli.recipe.registry import resolve_recipe_arg
+
+    return resolve_recipe_arg(recipe).resolve().parent
+
+
 def run_dir_for(recipe: Recipe, stage: str, run_dir: Path | None) -> Path:
     from skyrl_cli.rundir import resolve_run_dir
 

@@ -43,17 +43,8 @@ def register(app: typer.Typer) -> None:
         dest: Annotated[Path, typer.Argument(help="Destination file (or directory).")],
         force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing file.")] = False,
     ) -> None:
-        """Copy a built-in recipe to DEST to edit it."""
-        from skyrl_cli.errors import UsageError
-        from skyrl_cli.recipe.registry import builtin_path
-
-        source = builtin_path(name)
-        target = dest / source.name if dest.is_dir() else dest
-        if target.exists() and not force:
-            raise UsageError(f"{target} exists; pass --force to overwrite it")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
-        typer.echo(f"copied {source.name} to {target}")
+        """Copy a built-in recipe to DEST to edit it (with its folder of data and code, if it has one)."""
+        typer.echo(copy_recipe(name, dest, force))
 
     @sub.command("validate")
     def validate(
@@ -85,3 +76,26 @@ def register(app: typer.Typer) -> None:
         typer.echo(json.dumps(Recipe.model_json_schema(by_alias=True), indent=2))
 
     app.add_typer(sub, name="recipes")
+
+
+def copy_recipe(name: str, dest: Path, force: bool) -> str:
+    """``skyrl recipes cp``: the recipe file, and its own folder (``recipes/<name>/``: data, reward
+    code) next to the copy under the same name, so that its relative paths and module names keep
+    working. Returns the line to print."""
+    from skyrl_cli.errors import UsageError
+    from skyrl_cli.recipe.registry import builtin_path
+
+    source = builtin_path(name)
+    target = dest / source.name if dest.is_dir() else dest
+    folder = source.with_suffix("")
+    folder_target = target.parent / folder.name if folder.is_dir() else None
+    for existing in (target, folder_target):
+        if existing is not None and existing.exists() and not force:
+            raise UsageError(f"{existing} exists; pass --force to overwrite it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    if folder_target is None:
+        return f"copied {source.name} to {target}"
+    if folder_target.resolve() != folder.resolve():
+        shutil.copytree(folder, folder_target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True)
+    return f"copied {source.name} to {target} and its files {folder.name}/ to {folder_target}"

@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         mode = common.output_mode(quiet, json_)
         loaded = common.load_for_run(recipe, set_, "rl")
         directory = common.run_dir_for(loaded, "rl", run_dir).resolve()
-        plan = build_plan(loaded, "rl", directory, resume=resume, async_mode=async_mode)
+        plan = build_plan(loaded, "rl", directory, resume=resume, async_mode=async_mode, recipe_dir=common.recipe_dir(recipe))
         if dry_run:
             common.print_plan(plan, json_)
             return
@@ -66,7 +66,13 @@ def ensure_initial_policy(recipe, mode) -> None:
 
     typer.echo(f"rl: no SFT output at {init}; running the recipe's SFT stage first", err=True)
     sft_dir = init.parent
-    run_sft(recipe, build_plan(recipe, "sft", sft_dir), sft_dir, mode, resume=True, overwrite=False)
+    # --resume: an SFT stage that a Ctrl-C stopped continues from its newest checkpoint (the trainer
+    # starts at step 0 when there is none), instead of training again over its checkpoints.
+    again = "the same skyrl rl command continues it"
+    run_sft(
+        recipe, build_plan(recipe, "sft", sft_dir, resume=True), sft_dir, mode, resume=True, overwrite=False,
+        interrupt_hints={"resume_hint": again, "restart_hint": again},
+    )  # fmt: skip
 
 
 def clear_exchange(directory: Path) -> None:
@@ -80,8 +86,8 @@ def clear_exchange(directory: Path) -> None:
 
 def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool) -> dict:
     from backends.inference.stack import launch_inference  # light: httpx only
-    from skyrl_cli.errors import LaunchError
-    from skyrl_cli.launch.supervisor import Supervisor, log_tail
+    from skyrl_cli.launch.interrupts import reported
+    from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.metrics.events import EventWriter
     from skyrl_cli.metrics.follow import FollowedRun
     from skyrl_cli.rundir import prepare_run_dir
@@ -91,29 +97,44 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
     engines = [p for p in plan.processes if p.role == "engine"]
     (router,) = [p for p in plan.processes if p.role == "router"]
-    jobs = [p for p in plan.processes if p.kind == "job"]
     started = time.monotonic()
-    with Supervisor(directory) as supervisor, EventWriter(directory / "events.jsonl", "inference") as writer:
+    with reported("rl", directory) as progress, Supervisor(directory) as supervisor, \
+            EventWriter(directory / "events.jsonl", "inference") as writer:  # fmt: skip
+        progress.phase = "engine start-up"
         stack = launch_inference(
             supervisor, engines, router, plan.engine_urls, plan.router_url, directory,
             writer=writer, step_fn=lambda: latest_version(directory),
         )  # fmt: skip
-        for spec in jobs:
-            supervisor.start(spec)
-        extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(directory / "final")}
-        with FollowedRun(directory, sinks, summary_extra=extra) as run:
-            for spec in reversed(jobs):  # the learner first: the orchestrator finishes after it
-                # Engines may die and come back (stack.recovery); the router may not.
-                code = supervisor.wait_job(spec.name, on_tick=run.poll, fatal_services=[router.name])
-                if code != 0:
-                    proc = supervisor.processes[spec.name]
-                    tail = log_tail(proc.log_path, 25)
-                    raise LaunchError(f"the {spec.name} failed (exit code {code}); log: {proc.log_path}\n{tail}")
-            publish_final_model(directory)
-            run.summary_extra.update(initial_and_final_accuracy(directory))
-            run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
-        stack.stop()
+        try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
+            extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(directory / "final")}
+            with FollowedRun(directory, sinks, summary_extra=extra) as run:
+                run_jobs(supervisor, plan, router.name, run, progress)
+                progress.phase = "publishing the final model"
+                publish_final_model(directory)
+                run.summary_extra.update(initial_and_final_accuracy(directory))
+                run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
+        finally:
+            stack.stop()
     return run.summary or {}
+
+
+def run_jobs(supervisor, plan, router_name: str, run, progress) -> None:
+    """Start the orchestrator and the learner; wait for both; a failed one raises ``LaunchError``."""
+    from skyrl_cli.errors import LaunchError
+    from skyrl_cli.launch.supervisor import log_tail
+
+    jobs = [p for p in plan.processes if p.kind == "job"]
+    for spec in jobs:
+        supervisor.start(spec)
+    for spec in reversed(jobs):  # the learner first: the orchestrator finishes after it
+        # The orchestrator's last work after the learner's exit is the final evaluation.
+        progress.phase = "training" if spec.role == "trainer" else "the final evaluation"
+        # Engines may die and come back (stack.recovery); the router may not.
+        code = supervisor.wait_job(spec.name, on_tick=run.poll, fatal_services=[router_name])
+        if code != 0:
+            proc = supervisor.processes[spec.name]
+            tail = log_tail(proc.log_path, 25)
+            raise LaunchError(f"the {spec.name} failed (exit code {code}); log: {proc.log_path}\n{tail}")
 
 
 def latest_version(directory: Path) -> int:
@@ -127,14 +148,14 @@ def publish_final_model(directory: Path) -> None:
     """``final/``: the newest checkpoint's HF model (the learner checkpoints its last step)."""
     import os
 
-    checkpoints = sorted(
-        (int(p.name.split("-", 1)[1]), p) for p in (directory / "checkpoints").glob("step-*") if (p / "trainer_state.json").exists()
-    )
-    if not checkpoints:
+    from skyrl_cli.rundir import latest_checkpoint
+
+    newest = latest_checkpoint(directory)
+    if newest is None:
         return
     tmp = directory / ".tmp-final"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(checkpoints[-1][1] / "model", tmp)
+    shutil.copytree(newest / "model", tmp)
     if (directory / "final").exists():
         shutil.rmtree(directory / "final")
     os.replace(tmp, directory / "final")

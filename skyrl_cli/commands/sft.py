@@ -40,10 +40,12 @@ def register(app: typer.Typer) -> None:
             typer.echo(final_line(summary, directory))
 
 
-def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool) -> dict:
+def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool, interrupt_hints: dict | None = None) -> dict:
     """Start the trainer under the supervisor, follow its events, write summary.json; a failed
-    trainer raises ``LaunchError`` with the end of its log."""
+    trainer raises ``LaunchError`` with the end of its log, a stop signal ``RunInterrupted``
+    (``interrupt_hints``: what its message tells the user to run next)."""
     from skyrl_cli.errors import LaunchError
+    from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor, log_tail
     from skyrl_cli.metrics.follow import FollowedRun
     from skyrl_cli.rundir import prepare_run_dir
@@ -52,7 +54,7 @@ def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool) -> 
     sinks = common.output_sinks(mode, recipe, directory, title="sft")
     (spec,) = plan.processes
     started = time.monotonic()
-    with Supervisor(directory) as supervisor:
+    with reported("sft", directory, **(interrupt_hints or {})), Supervisor(directory) as supervisor:
         proc = supervisor.start(spec)
         extra = {"stage": "sft", "final_model": str(directory / "final")}
         with FollowedRun(directory, sinks, summary_extra=extra) as run:

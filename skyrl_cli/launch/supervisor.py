@@ -6,7 +6,10 @@ torn down when the supervisor exits for any reason:
 
 - normal exit, an exception, or Ctrl-C: ``__exit__`` sends SIGTERM to every group, waits a grace
   period, then SIGKILLs what is left;
-- SIGTERM / SIGHUP to the driver: turned into ``KeyboardInterrupt`` so the same path runs;
+- SIGINT / SIGTERM / SIGHUP to the driver: the first raises ``Interrupted`` so the same path runs,
+  later ones cannot cut the teardown short (``skyrl_cli.launch.interrupts``, the one home of the
+  signal logic); a process is started and registered for teardown as one step, and no process
+  starts once the teardown has begun (the engine-recovery thread may try to restart one);
 - SIGKILL of the driver (nothing in the driver runs): a small reaper process
   (``skyrl_cli.launch.reaper``) holds a pipe from the driver and kills every group it was told about
   when the pipe closes; as a second line, each child is started with ``PR_SET_PDEATHSIG=SIGTERM``.
@@ -17,6 +20,7 @@ torn down when the supervisor exits for any reason:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -31,6 +35,8 @@ from typing import Callable, Iterable
 import httpx
 
 from skyrl_cli.errors import LaunchError
+from skyrl_cli.launch.interrupts import deferred, stop_signals_raise
+from skyrl_cli.launch.op_builds import clear_locks_since, clear_stale_locks
 from skyrl_cli.plan.model import ProcessSpec
 
 TERM_GRACE_S = 10.0
@@ -79,9 +85,11 @@ class Supervisor:
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.processes: dict[str, ManagedProcess] = {}
         self._lock = threading.RLock()
-        self._old_handlers: dict[int, object] = {}
+        self._signals = contextlib.ExitStack()
         self._closed = False
         self._reaper: subprocess.Popen | None = None
+        self._started_at = time.time()
+        self._extension_dirs: set[str] = set()  # where started processes build DeepSpeed ops
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Supervisor":
@@ -91,31 +99,31 @@ class Supervisor:
             start_new_session=True,
             text=True,
         )
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                self._old_handlers[sig] = signal.signal(sig, self._raise_interrupt)
+        self._signals.enter_context(stop_signals_raise())
         atexit.register(self.shutdown)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.shutdown()
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        atexit.unregister(self.shutdown)
-
-    @staticmethod
-    def _raise_interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        try:
+            self.shutdown()
+        finally:
+            self._signals.close()
+            atexit.unregister(self.shutdown)
 
     # ------------------------------------------------------------------ processes
     def start(self, spec: ProcessSpec) -> ManagedProcess:
-        with self._lock:
+        with self._lock, deferred():  # started => registered, so that the teardown reaches it
+            if self._closed:
+                raise LaunchError(f"not starting {spec.name}: the run is shutting down")
             if spec.name in self.processes and self.processes[spec.name].returncode is None:
                 raise LaunchError(f"process {spec.name!r} is already running")
             log_path = self.logs_dir / f"{spec.name}.log"
             log = open(log_path, "ab", buffering=0)
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode())
             env = {**self.base_env, **spec.env}
+            if env.get("TORCH_EXTENSIONS_DIR"):
+                self._extension_dirs.add(env["TORCH_EXTENSIONS_DIR"])
+                clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])
             try:
                 popen = subprocess.Popen(
                     list(spec.argv),
@@ -217,8 +225,11 @@ class Supervisor:
             self._closed = True
             procs = list(self.processes.values())
         # Reverse start order: jobs and the router go before the engines they talk to.
-        _terminate_groups(list(reversed(procs)), grace_s)
-        self._tell_reaper("done")
+        with deferred():  # a Ctrl-C now is raised once every group is gone
+            _terminate_groups(list(reversed(procs)), grace_s)
+            self._tell_reaper("done")
+            for directory in self._extension_dirs:  # a build our processes left half-done
+                clear_locks_since(directory, self._started_at)
         if self._reaper is not None:
             try:
                 self._reaper.stdin.close()

@@ -16,14 +16,18 @@ from skyrl_cli.plan.model import LaunchPlan
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec
 from skyrl_cli.recipe.schema import Recipe
 
-Planner = Callable[[Recipe, Path, bool, bool, MachineFacts], LaunchPlan]
+# (recipe, run_dir, resume, async_mode, machine, recipe_dir) -> plan. ``recipe_dir``: the recipe
+# file's directory, where user code (rl.reward / rl.environment) is imported from first.
+Planner = Callable[[Recipe, Path, bool, bool, MachineFacts, "Path | None"], LaunchPlan]
 
 
 def world_size(recipe: Recipe) -> int:
     return recipe.trainer.ranks * recipe.trainer.nnodes
 
 
-def plan_sft(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts) -> LaunchPlan:
+def plan_sft(
+    recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
+) -> LaunchPlan:
     if recipe.sft is None:
         raise UsageError("the recipe has no [sft] section")
     if recipe.sft.batch_size < world_size(recipe):
@@ -40,10 +44,12 @@ def plan_sft(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, mach
     )
 
 
-def _plan_rl(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts) -> LaunchPlan:
+def _plan_rl(
+    recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
+) -> LaunchPlan:
     from skyrl_cli.plan.rl import plan_rl
 
-    return plan_rl(recipe, run_dir, resume, async_mode, machine)
+    return plan_rl(recipe, run_dir, resume, async_mode, machine, recipe_dir=recipe_dir)
 
 
 STAGE_PLANNERS: dict[str, Planner] = {"sft": plan_sft, "rl": _plan_rl}
@@ -56,12 +62,15 @@ def build_plan(
     resume: bool = False,
     async_mode: bool = False,
     machine: MachineFacts | None = None,
+    recipe_dir: str | Path | None = None,
 ) -> LaunchPlan:
-    """The launch plan of ``stage``; ``machine`` defaults to this host's detected facts."""
+    """The launch plan of ``stage``; ``machine`` defaults to this host's detected facts.
+    ``recipe_dir``: the recipe file's directory (user code is imported from there first)."""
     if stage not in STAGE_PLANNERS:
         raise UsageError(f"no planner for stage {stage!r}")
     if machine is None:
         from skyrl_cli.plan.machine import detect_machine
 
         machine = detect_machine()
-    return STAGE_PLANNERS[stage](recipe, Path(run_dir).resolve(), resume, async_mode, machine)
+    code_dir = Path(recipe_dir).resolve() if recipe_dir is not None else None
+    return STAGE_PLANNERS[stage](recipe, Path(run_dir).resolve(), resume, async_mode, machine, code_dir)

@@ -81,12 +81,29 @@ def _gpus() -> tuple[int, ...]:
     return tuple(range(visible_gpu_count()))
 
 
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU computes bf16 natively (AVX-512-BF16 or AMX). Without them bf16 is emulated:
+    vLLM on the quickstart model measured 2.7x slower in bf16 than in fp32 on an AVX2-only EPYC."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return bool(NATIVE_BF16_FLAGS & set(line.split(":", 1)[-1].split()))
+    except OSError:
+        pass
+    return False
+
+
 @dataclass(frozen=True)
 class MachineFacts:
     cpu_cores: tuple[int, ...]
     gpus: tuple[int, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
     host: str = "127.0.0.1"
+    cpu_bf16: bool = False  # native bf16 on the CPU (cpu_has_native_bf16)
     torch_extensions_dir: str = field(default_factory=default_torch_extensions_dir)
     port_finder: Callable[[int], list[int]] = field(default=find_free_ports, compare=False, repr=False)
 
@@ -100,4 +117,4 @@ class MachineFacts:
 
 def detect_machine() -> MachineFacts:
     """This host: usable CPU cores (affinity), visible GPUs (CUDA_VISIBLE_DEVICES / nvidia-smi)."""
-    return MachineFacts(cpu_cores=_cpu_cores(), gpus=_gpus())
+    return MachineFacts(cpu_cores=_cpu_cores(), gpus=_gpus(), cpu_bf16=cpu_has_native_bf16())

@@ -54,12 +54,16 @@ def inference_machine(recipe: Recipe, machine: MachineFacts, device: str) -> Mac
         taken = set(recipe.trainer.gpus or machine.gpus[: recipe.trainer.ranks])
         return Machine("cuda", engine_cores=machine.cpu_cores, engine_gpus=tuple(g for g in machine.gpus if g not in taken),
                        python=machine.python, host=machine.host)  # fmt: skip
-    return Machine("cpu", engine_cores=machine.cpu_cores, python=machine.python, host=machine.host)
+    return Machine("cpu", engine_cores=machine.cpu_cores, python=machine.python, host=machine.host, cpu_bf16=machine.cpu_bf16)
 
 
 def orchestrator_spec(
-    run_dir: Path, init_from: Path, router_url: str, engine_urls: list[str], machine: MachineFacts, async_mode: bool, resume: bool
+    run_dir: Path, init_from: Path, router_url: str, engine_urls: list[str], machine: MachineFacts, async_mode: bool, resume: bool,
+    recipe_dir: Path | None = None,
 ) -> ProcessSpec:
+    """``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
+    ``rl.environment`` modules are found next to the recipe, like its files (then the directory
+    skyrl runs in, which ``python -m`` puts on the path, then the installed packages)."""
     argv = [
         machine.python, "-m", "backends.rollout.orchestrator",
         "--run-dir", str(run_dir),
@@ -71,11 +75,15 @@ def orchestrator_spec(
         argv.append("--async")
     if resume:
         argv.append("--resume")
+    if recipe_dir is not None:
+        argv += ["--import-path", str(recipe_dir)]
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     return ProcessSpec(name=ORCHESTRATOR_NAME, role="orchestrator", argv=tuple(argv), env=env, kind="job")
 
 
-def plan_rl(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts) -> LaunchPlan:
+def plan_rl(
+    recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
+) -> LaunchPlan:
     if recipe.rl is None:
         raise UsageError("the recipe has no [rl] section")
     rl, inf = recipe.rl, recipe.inference
@@ -96,7 +104,7 @@ def plan_rl(recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machi
         recipe, run_dir, machine, module=LEARNER_MODULE, resume=resume,
         resources=trainer_resources(recipe, machine), port=rdzv_port, extra_args=("--init-from", str(init_from)),
     )  # fmt: skip
-    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, resume)
+    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, resume, recipe_dir)
     return LaunchPlan(
         stage="rl",
         run_dir=str(run_dir),

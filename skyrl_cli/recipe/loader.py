@@ -24,9 +24,12 @@ from skyrl_cli.recipe.overrides import Override, apply_overrides, parse_override
 from skyrl_cli.recipe.schema import Recipe
 from skyrl_cli.recipe.validate import (
     Problem,
+    data_problems,
     layout_problems,
+    loss_problems,
     missing_files,
     not_yet_implemented,
+    user_code_problems,
     visible_gpu_count,
     with_absolute_paths,
 )
@@ -121,6 +124,9 @@ def load_recipe(
     except ValidationError as err:
         _raise(early + [fmt(p) for p in _schema_problems(err) + problems])
     problems += not_yet_implemented(recipe)
+    problems += user_code_problems(recipe, base_dir)
+    problems += loss_problems(recipe)
+    problems += data_problems(recipe)
     problems += layout_problems(recipe, visible_gpu_count() if gpu_count is None else gpu_count)
     if problems or early:
         _raise(early + [fmt(p) for p in problems])

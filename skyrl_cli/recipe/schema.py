@@ -76,7 +76,9 @@ class ModelConfig(Section):
         description='"auto" (the model\'s own), "char" (a character tokenizer built for the task), or a local path.',
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description='"auto": bfloat16 on GPUs, float32 on CPU for training.'
+        "auto",
+        description='"auto": the trainer in bfloat16 on GPUs and float32 on CPU; the engines in bfloat16 on GPUs '
+        "and on CPUs with native bf16 (AVX-512-BF16 or AMX), else float32.",
     )
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
 
@@ -105,6 +107,12 @@ class DataConfig(Section):
         "assistant", description="Which tokens carry SFT loss."
     )
     train_size: PositiveInt = Field(20000, description="Rows generated for a built-in task's train split.")
+    flawed_demos: Probability = Field(
+        0.0,
+        description="Built-in task (addition): the share of SFT demonstrations of sums with a carry out of the "
+        "top digit that lose their last digit, as a sloppy demonstrator writes them. Held-out accuracy and the "
+        "RL reward always score the right answer.",
+    )
     eval_size: PositiveInt = Field(500, description="Rows in the held-out split (built-in task or cap on files).")
     digits: Annotated[int, Field(ge=1, le=12)] = Field(3, description="Operand digits (addition) or string length (reversal).")
     max_length: Annotated[int, Field(ge=8, le=131072)] = Field(512, description="Sequences are truncated to this many tokens.")
@@ -159,7 +167,13 @@ class PolicyLossConfig(Section):
     eps_high: Annotated[float, Field(ge=0, le=10)] = Field(0.28, description="Upper clip range of the ratio.")
     dual_clip_c: Annotated[float, Field(gt=1)] = Field(3.0, description="Dual-clip bound for negative advantages.")
     reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
-        "token_mean", description="How token losses are reduced over the mini-batch."
+        "token_mean", description="How token losses are reduced over the mini-batch (gspo: always per sequence)."
+    )
+    ratio: Literal["proximal", "rollout"] = Field(
+        "proximal",
+        description='What the PPO ratio is taken against. "proximal" (decoupled PPO): the trainer\'s own '
+        "logprobs at the start of the step, with truncated IS against the engines' logprobs on top; "
+        '"rollout" (bypass): the engines\' logprobs directly, no separate IS weights.',
     )
 
 
@@ -199,6 +213,10 @@ class RlConfig(Section):
     warmup_steps: NonNegativeInt = Field(0, description="Linear warm-up steps.")
     grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="Max gradient norm; 0 disables clipping.")
     max_tokens_per_microbatch: PositiveInt = Field(4096, description="Token budget of one training micro-batch.")
+    mini_batches: PositiveInt = Field(
+        1, description="Policy updates per epoch of a step: each an optimizer step over one slice of the batch."
+    )
+    epochs: PositiveInt = Field(1, description="Passes over the step's batch (each of mini_batches updates).")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     kl: KlConfig = Field(default_factory=KlConfig)

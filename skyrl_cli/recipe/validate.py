@@ -95,6 +95,44 @@ def with_absolute_paths(recipe: Recipe, base_dir: Path) -> Recipe:
     return Recipe.model_validate(data)
 
 
+# ------------------------------------------------------------------------------------- user code
+
+# Keys naming user code as ``module:name``. The RL orchestrator imports the module with the
+# recipe's directory first on its path, then the directory skyrl runs in, then the installed
+# packages (skyrl_cli.plan.rl.orchestrator_spec); here it is only looked up, never imported (user
+# code may be heavy, and validation stays light).
+USER_CODE_KEYS = (("rl", "reward"), ("rl", "environment"))
+
+
+def module_findable(name: str, first: list[Path]) -> bool:
+    """Whether ``import name`` would find something, searching ``first`` before the installed packages."""
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    parts = name.split(".")
+    spec = PathFinder.find_spec(parts[0], [str(p) for p in first])
+    if spec is None:
+        try:
+            spec = importlib.util.find_spec(parts[0])
+        except (ImportError, ValueError):
+            spec = None
+    for i in range(1, len(parts)):  # submodules: found in their package's folders, nothing run
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def user_code_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
+    problems = []
+    for path in USER_CODE_KEYS:
+        ref = _get(recipe.model_dump(by_alias=True), path)
+        if isinstance(ref, str) and not module_findable(ref.partition(":")[0], [base_dir, Path.cwd()]):
+            problems.append(Problem(path, f"cannot find module {ref.partition(':')[0]!r} (looked next to the recipe, "
+                                          "in the current directory and in the installed packages)"))  # fmt: skip
+    return problems
+
+
 # ------------------------------------------------------------------------------------- resources
 
 
@@ -176,3 +214,61 @@ def layout_problems(recipe: Recipe, gpu_count: int) -> list[Problem]:
                 )
             )
     return problems
+
+
+# ---------------------------------------------------------------------------------------- losses
+
+
+def loss_problems(recipe: Recipe) -> list[Problem]:
+    """Loss settings the recipe states explicitly that cannot act in its combination (the
+    defaults are not reported: they are the values a loss kind ignores silently by design)."""
+    rl = recipe.rl
+    if rl is None:
+        return []
+    loss, stated = rl.loss, rl.loss.model_fields_set
+    problems: list[Problem] = []
+
+    def refuse(key: str, why: str) -> None:
+        if key in stated:
+            problems.append(Problem(("rl", "loss", key), why))
+
+    if rl.mini_batches * rl.epochs == 1 and loss.ratio == "proximal":
+        why = (
+            "clipping cannot act: with one update per step (rl.mini_batches = rl.epochs = 1) the ratio to the "
+            'proximal policy is exactly 1; set rl.mini_batches > 1 or rl.loss.ratio = "rollout", or remove this key'
+        )
+        for key in ("eps_low", "eps_high", "dual_clip_c"):
+            refuse(key, why)
+    if loss.kind != "dual_clip":
+        refuse("dual_clip_c", f'dual_clip_c applies to kind = "dual_clip" only (kind is "{loss.kind}")')
+    if loss.kind == "cispo":
+        refuse("eps_low", "cispo truncates its weight above only (1 + eps_high); eps_low does not apply")
+    if loss.kind == "gspo":
+        refuse("reduction", "gspo always averages per sequence (the paper's 1/|y|); reduction does not apply")
+    return problems + _mini_batch_problems(recipe)
+
+
+def _mini_batch_problems(recipe: Recipe) -> list[Problem]:
+    rl = recipe.rl
+    if rl.mini_batches > rl.prompts_per_step:
+        return [Problem(("rl", "mini_batches"), f"{rl.mini_batches} mini-batches of whole groups need at least as many prompts per step ({rl.prompts_per_step})")]
+    world_size = recipe.trainer.ranks * recipe.trainer.nnodes
+    per_slice = rl.prompts_per_step // rl.mini_batches * rl.samples_per_prompt
+    if per_slice < world_size:
+        return [Problem(("rl", "mini_batches"), f"a mini-batch of {per_slice} sequences cannot be split over {world_size} trainer ranks")]
+    return []
+
+
+# ------------------------------------------------------------------------------------------ data
+
+# Built-in tasks whose demonstrations can be flawed (backends.data.tasks: Task.flawed_answer);
+# light on purpose: the CLI does not import the data layer.
+TASKS_WITH_A_FLAW = frozenset({"addition"})
+
+
+def data_problems(recipe: Recipe) -> list[Problem]:
+    data = recipe.data
+    if data.flawed_demos and data.task not in TASKS_WITH_A_FLAW:
+        what = f'task = "{data.task}"' if data.task else "data files"
+        return [Problem(("data", "flawed_demos"), f"flawed demonstrations exist for the built-in task addition only, not for {what}")]
+    return []

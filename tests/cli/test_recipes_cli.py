@@ -112,6 +112,19 @@ def test_cp_refuses_to_overwrite_without_force(skyrl, tmp_path):
     assert (tmp_path / "quickstart.toml").exists()
 
 
+def test_cp_of_a_recipe_with_its_own_files_copies_them_next_to_it_and_the_copy_validates(skyrl, tmp_path):
+    dest = tmp_path / "my_task.toml"
+    done = skyrl("recipes", "cp", "own_task", dest)
+    assert done.code == 0 and "own_task/" in done.out
+    for name in ("train.jsonl", "eval.jsonl", "reward.py", "make_data.py", "__init__.py"):
+        assert (tmp_path / "own_task" / name).read_bytes() == (REPO / "recipes/own_task" / name).read_bytes()
+    assert skyrl("recipes", "validate", dest).code == 0
+    dest.unlink()
+    refused = skyrl("recipes", "cp", "own_task", dest)  # the folder is there: not overwritten silently
+    assert refused.code == 2 and f"{tmp_path / 'own_task'} exists; pass --force" in refused.err
+    assert skyrl("recipes", "cp", "own_task", dest, "--force").code == 0
+
+
 def test_schema_is_json_schema_with_toml_keys(skyrl):
     result = skyrl("recipes", "schema")
     schema = json.loads(result.out)

@@ -63,3 +63,26 @@ def test_prompt_is_a_user_message():
 def test_unknown_task():
     with pytest.raises(ValueError, match="unknown task 'mult'"):
         get_task("mult")
+
+
+def test_flawed_demonstrations_drop_the_last_digit_of_long_sums_at_the_given_rate():
+    from backends.data.tasks import flawed_demonstrations
+
+    task = get_task("addition", digits=2)
+    rows = task.make_rows(seed=3, n=4000, split="train")
+    flawed = flawed_demonstrations(task, rows, 0.67, seed=3)
+    long_rows = [(r, f) for r, f in zip(rows, flawed) if len(r["answer"]) == 3]
+    changed = [f for r, f in long_rows if f != r]
+    assert all(f["answer"] == r["answer"][:2] for r, f in long_rows if f != r)
+    assert all(f == r for r, f in zip(rows, flawed) if len(r["answer"]) < 3)  # short sums never
+    assert 0.62 < len(changed) / len(long_rows) < 0.72
+    assert flawed == flawed_demonstrations(task, rows, 0.67, seed=3)  # seeded
+    assert task.flawed_answer({"prompt": "99+01=", "answer": "100"}) == "10"
+    assert not get_task("reversal").has_flaw() and task.has_flaw()
+
+
+def test_the_recipe_check_knows_which_tasks_have_a_flaw():
+    from backends.data.tasks import TASKS
+    from skyrl_cli.recipe.validate import TASKS_WITH_A_FLAW
+
+    assert {name for name in TASKS if get_task(name).has_flaw()} == TASKS_WITH_A_FLAW

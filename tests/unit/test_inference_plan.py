@@ -32,7 +32,7 @@ def recipe(**inference) -> Recipe:
     )
 
 
-CPU = Machine(device="cpu", engine_cores=(0, 1), python="/venv/bin/python")
+CPU = Machine(device="cpu", engine_cores=(0, 1), python="/venv/bin/python", cpu_bf16=True)
 GPU = Machine(device="cuda", engine_gpus=(2, 3, 4, 5), python="/venv/bin/python")
 
 
@@ -140,3 +140,32 @@ def test_remote_engines_join_the_router_without_a_process():
 def test_router_policy_from_recipe(policy):
     spec = router_spec(recipe(router={"policy": policy}), CPU, ["http://a:1"], 1, 2)
     assert flag(spec.argv, "--policy") == policy
+
+
+@pytest.mark.parametrize(
+    "device, cpu_bf16, model_dtype, expected",
+    [
+        ("cpu", True, "auto", "bfloat16"),  # AVX-512-BF16 / AMX: native
+        ("cpu", False, "auto", "float32"),  # AVX2 only: bf16 would be emulated (2.7x slower)
+        ("cuda", False, "auto", "bfloat16"),
+        ("cpu", True, "float32", "float32"),
+        ("cpu", False, "bfloat16", "bfloat16"),  # stated in the recipe: obeyed
+    ],
+)
+def test_engine_dtype_follows_what_the_cpu_does_natively(device, cpu_bf16, model_dtype, expected):
+    machine = Machine(device=device, engine_cores=(0,), engine_gpus=(0, 1), cpu_bf16=cpu_bf16)
+    (spec, *_) = engine_specs(recipe(model_extra={"dtype": model_dtype}), machine, [1, 2], "m")
+    assert flag(list(spec.argv), "--dtype") == expected
+
+
+@pytest.mark.parametrize(
+    "flags, native",
+    [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True), ("avx512f amx_bf16 amx_tile", True), ("avx512f", False)],
+)
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
+    from skyrl_cli.plan.machine import cpu_has_native_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n")
+    assert cpu_has_native_bf16(str(info)) is native
+    assert cpu_has_native_bf16(str(tmp_path / "missing")) is False

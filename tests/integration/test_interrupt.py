@@ -1,0 +1,102 @@
+"""Ctrl-C in the middle of a real `skyrl rl` (engine + router + orchestrator + 2-rank learner): the
+command exits 130 with a last line naming the step and the last complete checkpoint, leaves no
+process behind and marks summary.json ``completed: false``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from skyrl_cli.rundir import latest_checkpoint
+from tests.integration.cli_runs import ENV, SKYRL, events
+from tests.integration.conftest import wait_groups_gone
+
+pytestmark = pytest.mark.integration
+
+RECIPE = """
+name = "sigtest"
+seed = 1
+
+[model]
+init = {{ hidden_size = 128, layers = 2, heads = 4 }}
+tokenizer = "char"
+
+[data]
+task = "addition"
+digits = 2
+eval_size = 8
+
+[rl]
+init_from = "{model}"
+steps = 40
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 4
+eval_every = 0
+save_every = 1
+
+[inference]
+engines = 1
+max_num_seqs = 32
+
+[trainer]
+ranks = 2
+zero_stage = 2
+"""
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid``: the supervisor's group leaders (one session each) and the reaper."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def wait_for_training(driver: subprocess.Popen, run: Path, out: Path, timeout_s: float = 420) -> None:
+    """Until the learner has logged a step and written a complete checkpoint."""
+    deadline = time.monotonic() + timeout_s
+    while not (events(run, "train/policy_loss") and latest_checkpoint(run)):
+        assert driver.poll() is None, f"skyrl rl ended early ({driver.returncode}):\n{out.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "training did not start in time"
+        time.sleep(0.5)
+
+
+def test_sigint_during_rl_training_exits_130_with_the_checkpoint_and_no_process_left(tmp_path, tiny_model_dir):
+    (tmp_path / "recipe.toml").write_text(RECIPE.format(model=tiny_model_dir))
+    run, out = tmp_path / "runs/sigtest/rl", tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        driver = subprocess.Popen(
+            [str(SKYRL), "rl", "recipe.toml", "--quiet"], cwd=tmp_path, env=ENV, stdout=sink, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for_training(driver, run, out)
+        groups = children(driver.pid)
+        driver.send_signal(signal.SIGINT)
+        code = driver.wait(timeout=90)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    text = out.read_text()
+    assert code == 130, text[-3000:]
+    assert len(groups) >= 5, groups  # engine, router, orchestrator, trainer, reaper
+    assert not wait_groups_gone(groups), "processes left behind"
+    last = text.strip().splitlines()[-1]
+    match = re.fullmatch(r"rl interrupted \(SIGINT\) at step (\d+) during training; last complete checkpoint: (\S+) \(resume with --resume\)", last)
+    assert match, last
+    assert Path(match.group(2)) == latest_checkpoint(run).relative_to(tmp_path)
+    assert int(match.group(1)) < 40 and "Traceback" not in text
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] is False and summary["interrupted"] == "SIGINT"
