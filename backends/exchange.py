@@ -7,8 +7,8 @@ Works the same on one machine and on a shared file system across nodes:
   trainer's rank 0; ``v0`` is the initial policy. ``weights/LATEST`` names the newest version.
 - ``control/stop``: written by either side to ask the other to stop (e.g. after a failure).
 
-Every file or directory appears complete or not at all: it is written under a ``.tmp-`` name in
-the same directory and renamed into place.
+Every file or directory appears complete or not at all (``skyrl_cli.atomic``: written under a
+``.tmp-`` name in the same directory, fsynced and renamed into place).
 """
 
 from __future__ import annotations
@@ -17,58 +17,11 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-
-@contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory next to ``target``; rename it to ``target`` on success.
-
-    An existing ``target`` is replaced (moved aside, then deleted) so a reader never sees a mix.
-    On an exception the temporary directory is removed and ``target`` is untouched.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        if target.exists():
-            old = target.with_name(f".old-{target.name}-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+from skyrl_cli.atomic import atomic_dir, write_json, write_text
 
 
 class StopRequested(Exception):
@@ -88,7 +41,7 @@ class RunExchange:
 
     def write_batch(self, step: int, batch: dict[str, Any]) -> Path:
         path = self.batch_path(step)
-        atomic_write_text(path, json.dumps(batch))
+        write_json(path, batch, indent=None)
         return path
 
     def read_batch(self, step: int, timeout_s: float | None = None, poll_s: float = 0.05) -> dict[str, Any]:
@@ -109,7 +62,7 @@ class RunExchange:
         """Write the weights of ``version`` into the yielded dir; it appears atomically, then LATEST."""
         with atomic_dir(self.weights_dir(version)) as tmp:
             yield tmp
-        atomic_write_text(self.weights / "LATEST", str(version))
+        write_text(self.weights / "LATEST", str(version))
 
     def latest_version(self) -> int | None:
         try:
@@ -143,7 +96,7 @@ class RunExchange:
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str) -> None:
-        atomic_write_text(self.control / "stop", reason)
+        write_text(self.control / "stop", reason)
 
     def stop_reason(self) -> str | None:
         try:

@@ -8,20 +8,20 @@ Layout (the machine-readable contract of a run, documented in README.md):
     summary.json           final figures (skyrl_cli.metrics.summary)
     checkpoints/step-<n>/  and final/
 
-Every JSON file here is written atomically (temporary file + rename), so a reader never sees half.
+Every JSON file here is written atomically (``skyrl_cli.atomic``: temporary file, fsync, rename), so a
+reader never sees half of one; directories (checkpoints, final/) are published whole the same way.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from skyrl_cli.atomic import write_json
 from skyrl_cli.errors import UsageError
 from skyrl_cli.recipe.schema import Recipe
 
@@ -49,6 +49,10 @@ def sft_output_dir(recipe: Recipe, root: Path = RUNS_ROOT) -> Path:
     return default_run_dir(recipe, "sft", root) / "final"
 
 
+# final/ is built at this name next to it (by the SFT trainer, or by the RL driver from the last
+# checkpoint) and published whole (skyrl_cli.atomic.publish_dir); the trainers delete a leftover.
+FINAL_TMP = ".tmp-final"
+
 # A checkpoint directory is complete once its trainer state is in it: the trainer writes it last
 # and renames the directory into place (backends.train.checkpoint). Listed here, without torch, for
 # the CLI (interruption messages, publishing final/) and for the trainers.
@@ -72,20 +76,6 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint, or ``None``."""
     found = complete_checkpoints(run_dir)
     return found[-1][1] if found else None
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def recipe_json(recipe: Recipe) -> dict[str, Any]:
@@ -119,7 +109,7 @@ def prepare_run_dir(
             target = run_dir / marker
             shutil.rmtree(target) if target.is_dir() else target.unlink()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / "recipe.resolved.json", recipe_json(recipe))
+    write_json(run_dir / "recipe.resolved.json", recipe_json(recipe))
     if plan is not None:
-        write_json_atomic(run_dir / "plan.json", plan.model_dump(mode="json") if isinstance(plan, BaseModel) else plan)
+        write_json(run_dir / "plan.json", plan.model_dump(mode="json") if isinstance(plan, BaseModel) else plan)
     return run_dir

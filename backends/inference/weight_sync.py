@@ -27,7 +27,6 @@ import asyncio
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Awaitable, Callable, Sequence
 
 import httpx
 
+from skyrl_cli.atomic import write_json
 from skyrl_cli.errors import SkyrlError
 
 log = logging.getLogger(__name__)
@@ -218,12 +218,8 @@ class CurrentWeights:
 def record_current_weights(run_dir: str | os.PathLike, current: CurrentWeights) -> None:
     """Atomically write ``weights/current.json``; call it *before* syncing the engines, so an engine
     restarted meanwhile reads the newer weights (see ``backends.inference.recovery``)."""
-    target = Path(run_dir) / CURRENT_WEIGHTS_FILE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".current.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump({"path": current.path, "version": current.version, "lora_name": current.lora_name}, fh)
-    os.replace(tmp, target)
+    record = {"path": current.path, "version": current.version, "lora_name": current.lora_name}
+    write_json(Path(run_dir) / CURRENT_WEIGHTS_FILE, record, indent=None)
 
 
 def read_current_weights(run_dir: str | os.PathLike) -> CurrentWeights | None:

@@ -24,6 +24,9 @@ one, under the same rule: up to B buffered groups, earliest deadlines first, onl
 still waiting stays feasible. At S = 0 that means waiting for the groups admitted at the current
 version; meanwhile no group is admitted that the cut would have to wait for, so the bound does stop
 sampling. After ``close`` the buffered groups are drained B at a time and later ones are not kept.
+Dynamic sampling (DAPO's filter: groups whose rewards are all equal teach nothing) is this drop;
+its expected oversampling is ``1 / (1 - z)`` with zero-variance fraction ``z = p^n + (1 - p)^n``
+(accuracy p, n samples per prompt), e.g. 1.75x at n = 8, p = 0.9.
 
 ``StalenessController`` is the pure bookkeeping (deterministic, unit-testable); ``AsyncGroupBuffer``
 wraps it and a ``PromptSampler`` for the orchestrator's asyncio generation workers and trainer feed.

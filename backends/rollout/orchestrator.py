@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from skyrl_cli.atomic import write_json
 from skyrl_cli.metrics.events import EventWriter
 from skyrl_cli.recipe.schema import Recipe
 
@@ -204,7 +205,7 @@ class Orchestrator:
         metrics = {"eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0}
         if version == 0 or not (self.run_dir / "eval_initial.json").exists():
             metrics["eval/accuracy_initial"] = accuracy
-            (self.run_dir / "eval_initial.json").write_text(json.dumps({"version": version, "accuracy": accuracy}))
+            write_json(self.run_dir / "eval_initial.json", {"version": version, "accuracy": accuracy}, indent=None)
         self.events.log(version, metrics)
         print(f"eval at version {version}: accuracy {accuracy:.4f} ({len(results)} prompts)", flush=True)
         return accuracy
@@ -248,9 +249,7 @@ class Orchestrator:
         every = self.rl.save_every
         if not ((every and version % every == 0) or version == self.rl.steps):
             return
-        from backends.exchange import atomic_write_text
-
-        atomic_write_text(self.run_dir / STATE_DIR / f"step-{version}.json", json.dumps(buffer.state_dict(trained_batches=version)))
+        write_json(self.run_dir / STATE_DIR / f"step-{version}.json", buffer.state_dict(trained_batches=version), indent=None)
 
     def restore_buffer(self):
         from backends.rollout.buffer import AsyncGroupBuffer, PromptSampler

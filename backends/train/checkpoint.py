@@ -7,10 +7,11 @@ Layout of ``<run_dir>/checkpoints/step-<n>/``::
     rng/rank-<r>.pt        RNG states of every rank
     trainer_state.json     {"step": n, ...}: written last
 
-All ranks write into ``checkpoints/.tmp-step-<n>/``; after a barrier rank 0 renames it to
-``step-<n>`` (atomic on one file system), so a directory named ``step-<n>`` is always complete. Old
-checkpoints beyond ``keep_last`` are renamed to ``.trash-*`` before deletion for the same reason.
-Leftover ``.tmp-*`` / ``.trash-*`` from a killed run are removed at start-up.
+All ranks write into ``checkpoints/.tmp-step-<n>/``; after a barrier rank 0 fsyncs it and
+publishes it as ``step-<n>`` (``skyrl_cli.atomic.publish_dir``), so a directory named ``step-<n>``
+is always complete and on disk. Old checkpoints beyond ``keep_last`` are renamed to ``.trash-*``
+before deletion for the same reason. At start-up ``remove_leftovers`` deletes the ``.tmp-*`` /
+``.trash-*`` of a killed run and puts back an ``.old-*`` that a publish killed mid-way left.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from skyrl_cli import atomic
+
 # The one checkpoint lister lives with the run directory, light enough for the CLI (no torch).
 from skyrl_cli.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
+from skyrl_cli.rundir import FINAL_TMP
 from skyrl_cli.rundir import complete_checkpoints, latest_checkpoint  # noqa: F401 - re-exported
 
 DS_TAG = "state"
@@ -37,23 +41,17 @@ def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def remove_leftovers(run_dir: str | os.PathLike) -> None:
-    """Delete partial checkpoints of a killed run (rank 0, before training starts)."""
-    root = checkpoints_dir(run_dir)
-    if root.is_dir():
-        for child in root.iterdir():
-            if child.name.startswith((".tmp-", ".trash-")):
-                shutil.rmtree(child, ignore_errors=True)
+    """Clean up after a killed run (rank 0, before training starts): partial or discarded
+    checkpoints, and a half-published ``final/`` (the SFT trainer's, or the RL driver's, which only
+    publishes after this process has exited)."""
+    atomic.remove_leftovers(checkpoints_dir(run_dir))
+    shutil.rmtree(Path(run_dir) / FINAL_TMP, ignore_errors=True)
+    atomic.recover_dir(Path(run_dir) / "final")
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _discard(path: Path) -> None:
-    trash = path.with_name(f".trash-{path.name}")
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def rng_state() -> dict:
@@ -68,13 +66,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Atomically make ``tmp`` visible as ``final`` (replacing an older ``final``)."""
-    if final.exists():
-        _discard(final)
-    os.replace(tmp, final)
 
 
 def save_checkpoint(
@@ -102,9 +93,9 @@ def save_checkpoint(
     final = root / f"step-{step}"
     if rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
-        publish_dir(tmp, final)
+        atomic.publish_dir(tmp, final)
         for _, old in complete_checkpoints(run_dir)[:-keep_last]:
-            _discard(old)
+            atomic.discard_dir(old)
     _barrier()
     return final
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from skyrl_cli.atomic import publish_dir
 from skyrl_cli.metrics.events import EventWriter
 from skyrl_cli.recipe.schema import Recipe
+from skyrl_cli.rundir import FINAL_TMP
 
 PROCESS_NAME = "trainer"
 
@@ -87,7 +89,7 @@ def train(run_dir: Path, resume: bool) -> None:
     from backends.data.sft import batch_indices, build_sft_data, load_source
     from backends.models.loading import load_model, load_tokenizer_for, torch_dtype
     from backends.models.lora import apply_lora
-    from backends.train.checkpoint import latest_checkpoint, load_checkpoint, publish_dir, remove_leftovers, save_checkpoint
+    from backends.train.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
     from backends.train.engine import all_gather_list, all_reduce_sum, grad_norm, init_distributed, make_engine, train_step
     from backends.train.evaluate import eval_accuracy, eval_loss
     from backends.train.microbatch import rank_micro_batches
@@ -216,7 +218,7 @@ def train(run_dir: Path, resume: bool) -> None:
             window.started = time.perf_counter()
 
     # The final model: the last step's weights, published atomically like a checkpoint.
-    tmp = run_dir / ".tmp-final"
+    tmp = run_dir / FINAL_TMP
     export(tmp)
     if dist.is_main:
         publish_dir(tmp, run_dir / "final")

@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from skyrl_cli.atomic import write_json
 from skyrl_cli.errors import LaunchError, UsageError
 
 BASELINE = "consistent_hash"  # the release's default policy: the ratio column is against it
@@ -236,7 +237,7 @@ def _run_live(*, policies, levels, seed, calibrate, repeats, run_dir, console) -
                         f"{cost['per_kv_token_s'] * 1e9:.2f} ns/KV token, {fit['request_overhead_s'] * 1e3:.1f} ms/request "
                         f"outside the engine (max fit error {fit['max_relative_error']:.0%})")
     out = root / ("calibration.json" if calibrate else "live.json")
-    out.write_text(json.dumps(report, indent=2))
+    write_json(out, report)
     console.print(f"results written to {out}")
     return report
 

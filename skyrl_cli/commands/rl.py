@@ -78,10 +78,14 @@ def ensure_initial_policy(recipe, mode) -> None:
 def clear_exchange(directory: Path) -> None:
     """Batches, stop requests and the LATEST pointer belong to the processes of one launch: a
     resumed learner republishes the policy it restarts from, and nothing stale may be read first."""
+    from skyrl_cli.atomic import remove_leftovers
+
     for sub in ("batches", "control"):
         shutil.rmtree(directory / sub, ignore_errors=True)
     for name in ("LATEST", "current.json"):  # engines start on the initial policy, labelled 0
         (directory / "weights" / name).unlink(missing_ok=True)
+    # A killed learner's half-written version (a whole model copy); nothing else writes here yet.
+    remove_leftovers(directory / "weights")
 
 
 def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool) -> dict:
@@ -145,20 +149,19 @@ def latest_version(directory: Path) -> int:
 
 
 def publish_final_model(directory: Path) -> None:
-    """``final/``: the newest checkpoint's HF model (the learner checkpoints its last step)."""
-    import os
+    """``final/``: the newest checkpoint's HF model (the learner checkpoints its last step).
 
-    from skyrl_cli.rundir import latest_checkpoint
+    Built next to it and published whole, so a crash here keeps the previous ``final/``."""
+    from skyrl_cli.atomic import publish_dir
+    from skyrl_cli.rundir import FINAL_TMP, latest_checkpoint
 
     newest = latest_checkpoint(directory)
     if newest is None:
         return
-    tmp = directory / ".tmp-final"
+    tmp = directory / FINAL_TMP
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(newest / "model", tmp)
-    if (directory / "final").exists():
-        shutil.rmtree(directory / "final")
-    os.replace(tmp, directory / "final")
+    publish_dir(tmp, directory / "final")
 
 
 def initial_and_final_accuracy(directory: Path) -> dict:

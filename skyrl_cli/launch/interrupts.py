@@ -149,8 +149,8 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
     run stopped before its follower wrote one (e.g. while the engines were starting)."""
     import json
 
+    from skyrl_cli.atomic import write_json
     from skyrl_cli.metrics.summary import write_summary
-    from skyrl_cli.rundir import write_json_atomic
 
     path = run_dir / "summary.json"
     try:
@@ -160,7 +160,7 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
     if not isinstance(summary, dict) or summary.get("time", 0) < started:  # absent, or a previous run's
         summary = write_summary(run_dir, {"stage": stage, "completed": False})
     summary["interrupted"] = signame
-    write_json_atomic(path, summary)
+    write_json(path, summary)
     return summary
 
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from skyrl_cli.atomic import write_json
 from skyrl_cli.metrics.events import MetricEvent, iter_events, last_values
-from skyrl_cli.rundir import write_json_atomic
 
 
 def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def write_summary(run_dir: str | os.PathLike, extra: Mapping[str, Any] | None = 
     """Write ``run_dir/summary.json`` atomically and return it."""
     run_dir = Path(run_dir)
     summary = {**summarize(iter_events(run_dir / "events.jsonl")), **(extra or {})}
-    write_json_atomic(run_dir / "summary.json", summary)
+    write_json(run_dir / "summary.json", summary)
     return summary
 
 

@@ -10,7 +10,7 @@ import pytest
 from skyrl_cli.commands import common
 from skyrl_cli.errors import RecipeError, UsageError
 from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import prepare_run_dir, sft_output_dir, write_json_atomic
+from skyrl_cli.rundir import prepare_run_dir, sft_output_dir
 
 from .conftest import REPO
 
@@ -60,7 +60,7 @@ def test_prepare_run_dir_writes_the_contract_files(tmp_path):
     assert (run_dir / "logs").is_dir()
     assert Recipe.model_validate_json((run_dir / "recipe.resolved.json").read_text()) == recipe
     assert json.loads((run_dir / "plan.json").read_text()) == {"stage": "sft"}
-    assert not list(run_dir.glob(".*.tmp"))
+    assert not list(run_dir.glob(".tmp-*"))
 
 
 def test_prepare_run_dir_refuses_a_used_directory(tmp_path):
@@ -74,11 +74,3 @@ def test_prepare_run_dir_refuses_a_used_directory(tmp_path):
     assert (run_dir / "checkpoints" / "step-1").exists()
     prepare_run_dir(run_dir, recipe, overwrite=True)
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "events.jsonl").exists()
-
-
-def test_write_json_atomic_replaces_whole_files(tmp_path):
-    path = tmp_path / "a" / "x.json"
-    write_json_atomic(path, {"a": 1})
-    write_json_atomic(path, {"b": 2})
-    assert json.loads(path.read_text()) == {"b": 2}
-    assert [p.name for p in path.parent.iterdir()] == ["x.json"]

@@ -7,28 +7,7 @@ import time
 
 import pytest
 
-from backends.exchange import RunExchange, StopRequested, atomic_dir
-
-
-def test_atomic_dir_failure_leaves_target_untouched(tmp_path):
-    target = tmp_path / "ckpt"
-    with atomic_dir(target) as tmp:
-        (tmp / "model.safetensors").write_text("v1")
-    with pytest.raises(RuntimeError):
-        with atomic_dir(target) as tmp:
-            (tmp / "model.safetensors").write_text("half")
-            raise RuntimeError("crash mid-write")
-    assert (target / "model.safetensors").read_text() == "v1"
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
-
-
-def test_atomic_dir_replaces_existing(tmp_path):
-    target = tmp_path / "ckpt"
-    for version in ("v1", "v2"):
-        with atomic_dir(target) as tmp:
-            (tmp / "f").write_text(version)
-    assert (target / "f").read_text() == "v2"
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+from backends.exchange import RunExchange, StopRequested
 
 
 def test_batch_round_trip_and_wait(tmp_path):

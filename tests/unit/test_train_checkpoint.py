@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backends.train.checkpoint import STATE_FILE, complete_checkpoints, latest_checkpoint, publish_dir, remove_leftovers
+from backends.train.checkpoint import STATE_FILE, complete_checkpoints, latest_checkpoint, remove_leftovers
 
 
 def _checkpoint(root, name, complete=True):
@@ -27,17 +27,19 @@ def test_only_complete_step_directories_count(tmp_path):
 def test_leftovers_are_removed(tmp_path):
     _checkpoint(tmp_path, ".tmp-step-8")
     _checkpoint(tmp_path, ".trash-step-2")
+    _checkpoint(tmp_path, ".old-step-4-77")  # left by an older step-4 that a killed publish replaced
     keep = _checkpoint(tmp_path, "step-4")
     remove_leftovers(tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [keep.name]
 
 
-def test_publish_replaces_atomically(tmp_path):
-    old, new = tmp_path / "final", tmp_path / ".tmp-final"
-    old.mkdir()
-    (old / "a").write_text("old")
-    new.mkdir()
-    (new / "a").write_text("new")
-    publish_dir(new, old)
-    assert (old / "a").read_text() == "new" and not new.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+def test_a_killed_publish_is_undone_at_start_up(tmp_path):
+    # Killed between moving the old step-4 (or final/) aside and renaming the new one in.
+    _checkpoint(tmp_path, ".old-step-4-77")
+    (tmp_path / ".old-final-77").mkdir()
+    (tmp_path / ".old-final-77" / "config.json").write_text("{}")
+    (tmp_path / ".tmp-final").mkdir()
+    remove_leftovers(tmp_path)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "final"]
+    assert (tmp_path / "final" / "config.json").is_file()
