@@ -15,9 +15,10 @@ Options, as Typer ``Annotated`` types to put in a command's signature::
         quiet: common.QuietOpt = False,
         json_: common.JsonOpt = False,
     ) -> None:
-        recipe_obj = common.load_for_run(recipe, set_, "sft")         # RecipeError (exit 2) on any problem
+        machine = detect_machine()                                    # skyrl_cli.plan.machine
+        recipe_obj = common.load_for_run(recipe, set_, "sft", machine=machine)  # RecipeError (exit 2)
         directory = common.run_dir_for(recipe_obj, "sft", run_dir)    # --run-dir or runs/<name>/sft
-        plan = ...                                                    # the planner's LaunchPlan
+        plan = build_plan(recipe_obj, "sft", directory, machine=machine)  # the same machine facts
         if dry_run:
             common.print_plan(plan, json_); return
         prepare_run_dir(directory, recipe_obj, plan, resume=resume, overwrite=overwrite)  # skyrl_cli.rundir
@@ -41,6 +42,7 @@ import typer
 from skyrl_cli.errors import UsageError
 
 if TYPE_CHECKING:  # pydantic stays out of `skyrl --help`
+    from skyrl_cli.plan.machine import MachineFacts
     from skyrl_cli.recipe.schema import Recipe
 
 OutputMode = Literal["live", "quiet", "json"]
@@ -61,15 +63,18 @@ GpusOpt = Annotated[
 ]
 
 
-def load_for_run(recipe: str, sets: list[str] | None, stage: str | None, gpu_count: int | None = None) -> Recipe:
+def load_for_run(
+    recipe: str, sets: list[str] | None, stage: str | None, gpu_count: int | None = None, machine: MachineFacts | None = None
+) -> Recipe:
     """Resolve the recipe argument (file or built-in name), load it with the ``--set`` overrides and
     check that it has the section of the stage the command runs (``"sft"`` or ``"rl"``; other
-    stages and ``None`` check nothing). ``gpu_count=None``: the GPUs visible on this machine."""
+    stages and ``None`` check nothing). The layout is checked against ``machine`` (give the one
+    the plan is built for), else this host with ``gpu_count`` GPUs (``None``: the visible ones)."""
     from skyrl_cli.recipe.loader import load_recipe
     from skyrl_cli.recipe.registry import resolve_recipe_arg
 
     path = resolve_recipe_arg(recipe)
-    loaded = load_recipe(path, sets or (), gpu_count=gpu_count)
+    loaded = load_recipe(path, sets or (), gpu_count=gpu_count, machine=machine)
     if stage in ("sft", "rl") and getattr(loaded, stage) is None:
         raise UsageError(f"recipe {path} has no [{stage}] section")
     return loaded

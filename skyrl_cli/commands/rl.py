@@ -35,11 +35,15 @@ def register(app: typer.Typer) -> None:
         Writes runs/<name>/rl/ (or --run-dir): events.jsonl, logs/, checkpoints/, final/, summary.json.
         """
         from skyrl_cli.plan.build import build_plan
+        from skyrl_cli.plan.machine import detect_machine
 
         mode = common.output_mode(quiet, json_)
-        loaded = common.load_for_run(recipe, set_, "rl")
+        machine = detect_machine()  # one look at the host: validation and the plan see the same facts
+        loaded = common.load_for_run(recipe, set_, "rl", machine=machine)
         directory = common.run_dir_for(loaded, "rl", run_dir).resolve()
-        plan = build_plan(loaded, "rl", directory, resume=resume, async_mode=async_mode, recipe_dir=common.recipe_dir(recipe))
+        plan = build_plan(
+            loaded, "rl", directory, resume=resume, async_mode=async_mode, machine=machine, recipe_dir=common.recipe_dir(recipe)
+        )
         if dry_run:
             common.print_plan(plan, json_)
             return
@@ -125,7 +129,7 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
 def run_jobs(supervisor, plan, router_name: str, run, progress) -> None:
     """Start the orchestrator and the learner; wait for both; a failed one raises ``LaunchError``."""
     from skyrl_cli.errors import LaunchError
-    from skyrl_cli.launch.supervisor import log_tail
+    from skyrl_cli.launch.supervisor import failure_message
 
     jobs = [p for p in plan.processes if p.kind == "job"]
     for spec in jobs:
@@ -137,8 +141,7 @@ def run_jobs(supervisor, plan, router_name: str, run, progress) -> None:
         code = supervisor.wait_job(spec.name, on_tick=run.poll, fatal_services=[router_name])
         if code != 0:
             proc = supervisor.processes[spec.name]
-            tail = log_tail(proc.log_path, 25)
-            raise LaunchError(f"the {spec.name} failed (exit code {code}); log: {proc.log_path}\n{tail}")
+            raise LaunchError(failure_message(f"the {spec.name} failed (exit code {code})", proc.log_path, 25))
 
 
 def latest_version(directory: Path) -> int:

@@ -27,11 +27,13 @@ def register(app: typer.Typer) -> None:
         final/ (HF model + tokenizer) and summary.json.
         """
         from skyrl_cli.plan.build import build_plan
+        from skyrl_cli.plan.machine import detect_machine
 
         mode = common.output_mode(quiet, json_)
-        loaded = common.load_for_run(recipe, set_, "sft")
+        machine = detect_machine()  # one look at the host: validation and the plan see the same facts
+        loaded = common.load_for_run(recipe, set_, "sft", machine=machine)
         directory = common.run_dir_for(loaded, "sft", run_dir).resolve()
-        plan = build_plan(loaded, "sft", directory, resume=resume)
+        plan = build_plan(loaded, "sft", directory, resume=resume, machine=machine)
         if dry_run:
             common.print_plan(plan, json_)
             return
@@ -46,7 +48,7 @@ def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool, int
     (``interrupt_hints``: what its message tells the user to run next)."""
     from skyrl_cli.errors import LaunchError
     from skyrl_cli.launch.interrupts import reported
-    from skyrl_cli.launch.supervisor import Supervisor, log_tail
+    from skyrl_cli.launch.supervisor import Supervisor, failure_message
     from skyrl_cli.metrics.follow import FollowedRun
     from skyrl_cli.rundir import prepare_run_dir
 
@@ -61,8 +63,7 @@ def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool, int
             code = supervisor.wait_job(spec.name, on_tick=run.poll)
             run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
             if code != 0:
-                tail = log_tail(proc.log_path, 25)
-                raise LaunchError(f"the trainer failed (exit code {code}); log: {proc.log_path}\n{tail}")
+                raise LaunchError(failure_message(f"the trainer failed (exit code {code})", proc.log_path, 25))
     return run.summary or {}
 
 

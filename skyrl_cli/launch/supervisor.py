@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,16 +52,68 @@ def _die_with_parent() -> None:
         pass  # not Linux: teardown then relies on the driver's own exit path
 
 
-def log_tail(path: Path, lines: int = 20) -> str:
-    """The last lines of a log file, for error messages."""
+def log_tail(path: Path, lines: int = 20, max_bytes: int = 16384) -> str:
+    """The last lines of a log file (within its last ``max_bytes``), for error messages."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 16384))
+            fh.seek(max(0, fh.tell() - max_bytes))
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+# What processes put before their lines: vLLM's "(APIServer pid=7) " / "(EngineCore_DP0 pid=9) ",
+# torchrun's "[rank0]: ", and a logger's "ERROR 12-01 11:38:36 [core.py:708] ".
+_LINE_PREFIX = re.compile(
+    r"^(?:\([\w ]+ pid=\d+\) ?|\[rank\d+\]: ?)?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] ?)?"
+)
+_EXCEPTION_LINE = re.compile(r"^((?:\w+\.)*\w*(?:Error|Exception|Exit|Failure)\w*): (\S.*)$")
+# Lines that only point at the real cause: vLLM's front end ends an engine's failed start with
+# "RuntimeError: Engine core initialization failed. See root cause above. ...".
+_POINTER = re.compile(r"\b(?:see|check)\b.*\babove\b", re.IGNORECASE)
+_PYDANTIC_HEAD = re.compile(r"^\d+ validation errors? for (\w+)$")
+TELLING_LINE_CHARS = 300
+_START_MARK = re.compile(r"^=== [\d-]+ [\d:]+ start: .*$", re.MULTILINE)
+
+
+def telling_line(tail: str) -> str | None:
+    """The line of a log tail that says why the process failed: the last exception of a Python
+    traceback that carries a message of its own, as ``Name: message`` (a pydantic ValidationError,
+    which vLLM's configs raise, with its first detail line); ``None`` when there is none."""
+    lines = [_LINE_PREFIX.sub("", line).rstrip() for line in tail.splitlines()]
+    for index in range(len(lines) - 1, -1, -1):
+        match = _EXCEPTION_LINE.match(lines[index])
+        if match is None or _POINTER.search(match.group(2)):
+            continue
+        name, message = match.group(1).rsplit(".", 1)[-1], match.group(2)
+        model = _PYDANTIC_HEAD.match(message)
+        if model and index + 1 < len(lines):
+            detail = re.sub(r"\s*\[type=.*$", "", lines[index + 1].strip()).removeprefix("Value error, ")
+            message = f"{model.group(1)}: {detail}"
+        return _shortened(f"{name}: {message}")
+    return None
+
+
+def _shortened(text: str) -> str:
+    """At most ``TELLING_LINE_CHARS``, cut after a sentence where one ends late enough."""
+    if len(text) <= TELLING_LINE_CHARS:
+        return text
+    end = text.rfind(". ", 0, TELLING_LINE_CHARS)
+    return text[: end + 1] if end > TELLING_LINE_CHARS // 2 else text[: TELLING_LINE_CHARS - 3] + "..."
+
+
+def failure_message(what: str, log_path: Path, lines: int = 20) -> str:
+    """``what`` failed: with the log line that says why and the log's path, or when no line says
+    it, the log's path and its last ``lines`` lines."""
+    # The log is appended to by every start of the process: only this start's lines count.
+    this_start = _START_MARK.split(log_tail(log_path, 400, max_bytes=65536))[-1].strip("\n")
+    why = telling_line(this_start)
+    if why is not None:
+        return f"{what}: {why}\nlog: {log_path}"
+    tail = "\n".join(this_start.splitlines()[-lines:])
+    return f"{what}; log: {log_path}" + (f"\n{tail}" if tail else "")
 
 
 @dataclass
@@ -157,9 +210,7 @@ class Supervisor:
             return {name: p.returncode for name, p in self.processes.items()}
 
     def _failure(self, proc: ManagedProcess, what: str) -> LaunchError:
-        tail = log_tail(proc.log_path)
-        detail = f"\n{tail}" if tail else ""
-        return LaunchError(f"{proc.spec.name} {what} (exit code {proc.returncode}); log: {proc.log_path}{detail}")
+        return LaunchError(failure_message(f"{proc.spec.name} {what} (exit code {proc.returncode})", proc.log_path))
 
     def wait_ready(self, names: Iterable[str] | None = None, timeout_s: float | None = None) -> None:
         """Block until every named process answers its readiness URL with HTTP 200."""

@@ -13,7 +13,8 @@ from typing import Callable
 from skyrl_cli.errors import UsageError
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan
-from skyrl_cli.plan.trainer import trainer_resources, trainer_spec
+from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
+from skyrl_cli.recipe.feasibility import assert_feasible
 from skyrl_cli.recipe.schema import Recipe
 
 # (recipe, run_dir, resume, async_mode, machine, recipe_dir) -> plan. ``recipe_dir``: the recipe
@@ -21,17 +22,11 @@ from skyrl_cli.recipe.schema import Recipe
 Planner = Callable[[Recipe, Path, bool, bool, MachineFacts, "Path | None"], LaunchPlan]
 
 
-def world_size(recipe: Recipe) -> int:
-    return recipe.trainer.ranks * recipe.trainer.nnodes
-
-
 def plan_sft(
     recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
 ) -> LaunchPlan:
     if recipe.sft is None:
         raise UsageError("the recipe has no [sft] section")
-    if recipe.sft.batch_size < world_size(recipe):
-        raise UsageError(f"sft.batch_size: {recipe.sft.batch_size} sequences cannot be split over {world_size(recipe)} ranks")
     resources = trainer_resources(recipe, machine)
     trainer = trainer_spec(recipe, run_dir, machine, module="backends.train.sft", resume=resume, resources=resources)
     return LaunchPlan(
@@ -65,12 +60,15 @@ def build_plan(
     recipe_dir: str | Path | None = None,
 ) -> LaunchPlan:
     """The launch plan of ``stage``; ``machine`` defaults to this host's detected facts.
-    ``recipe_dir``: the recipe file's directory (user code is imported from there first)."""
+    ``recipe_dir``: the recipe file's directory (user code is imported from there first). A recipe
+    this machine cannot run raises ``UsageError`` (``skyrl_cli.recipe.feasibility``)."""
     if stage not in STAGE_PLANNERS:
         raise UsageError(f"no planner for stage {stage!r}")
     if machine is None:
         from skyrl_cli.plan.machine import detect_machine
 
         machine = detect_machine()
+    # The loader has run these checks with the same facts; this only guards a recipe built in code.
+    assert_feasible(recipe, machine)
     code_dir = Path(recipe_dir).resolve() if recipe_dir is not None else None
     return STAGE_PLANNERS[stage](recipe, Path(run_dir).resolve(), resume, async_mode, machine, code_dir)

@@ -51,12 +51,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
-from skyrl_cli.errors import UsageError
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.plan.machine import cpu_has_native_bf16
+from skyrl_cli.recipe.lengths import with_model_lengths
 from skyrl_cli.recipe.schema import Recipe, SpeculativeConfig
 
 ENGINE_MODEL_NAME = "policy"
+# Attention head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py);
+# the GPU backends accept all of them too.
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The values vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ENGINE_READY_TIMEOUT_S = 600.0
 ROUTER_READY_TIMEOUT_S = 60.0
 # How often the router probes its workers; short so a dead engine leaves rotation quickly even
@@ -143,16 +148,12 @@ def engine_argv(recipe: Recipe, machine: Machine, port: int, model_dir: str, ind
     return tuple(argv)
 
 
-# The values vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
 def vllm_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM accepts that holds an adapter of ``rank``."""
-    for allowed in VLLM_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise UsageError(f"model.lora.rank = {rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+    """The smallest rank vLLM accepts that holds an adapter of ``rank`` (larger ones are refused
+    when the recipe is loaded: ``skyrl_cli.recipe.feasibility``)."""
+    fits = [allowed for allowed in VLLM_LORA_RANKS if allowed >= rank]
+    assert fits, f"model.lora.rank = {rank} above {VLLM_LORA_RANKS[-1]} got past validation"
+    return fits[0]
 
 
 def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, str], tuple[str, ...]]:
@@ -166,8 +167,6 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
     if recipe.model.lora is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if machine.device == "cpu":
-        if not machine.engine_cores:
-            raise UsageError("no CPU cores left for the inference engines")
         core = machine.engine_cores[index % len(machine.engine_cores)]
         # VLLM_CPU_CI_ENV skips the start-up warm-up (seconds per engine, nothing to warm on CPU
         # with eager execution). SKYRL_ENGINE_IDLE_SPIN_S: see backends/inference/serve.py (an idle
@@ -180,25 +179,15 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
     return env, tuple(f"cuda:{g}" for g in gpus)
 
 
-def check_engine_devices(recipe: Recipe, machine: Machine) -> None:
-    inf = recipe.inference
-    if machine.device == "cuda":
-        need = inf.engines * inf.tensor_parallel
-        if need > len(machine.engine_gpus):
-            raise UsageError(
-                f"inference.engines = {inf.engines} x tensor_parallel = {inf.tensor_parallel} needs {need} GPUs; "
-                f"{len(machine.engine_gpus)} are left for engines ({list(machine.engine_gpus)})"
-            )
-    elif inf.tensor_parallel != 1:
-        raise UsageError("inference.tensor_parallel > 1 needs GPUs")
-
-
 def engine_specs(recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str) -> list[ProcessSpec]:
-    """One ProcessSpec per local engine (``recipe.inference.engines`` of them)."""
+    """One ProcessSpec per local engine (``recipe.inference.engines`` of them). The devices fit:
+    ``skyrl_cli.recipe.feasibility`` checked them when the recipe was loaded."""
+    # A loaded recipe passes through unchanged; one built in code (tests, benchmarks) gets the
+    # length defaults the loader would have given it.
+    recipe = with_model_lengths(recipe)
     inf = recipe.inference
     if len(ports) != inf.engines:
         raise ValueError(f"{inf.engines} engines need {inf.engines} ports, got {len(ports)}")
-    check_engine_devices(recipe, machine)
     specs = []
     for index, port in enumerate(ports):
         env, devices = engine_env(recipe, machine, index)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,10 +77,20 @@ def _cpu_cores() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
-def _gpus() -> tuple[int, ...]:
-    from skyrl_cli.recipe.validate import visible_gpu_count
-
-    return tuple(range(visible_gpu_count()))
+def visible_gpu_count() -> int:
+    """GPUs this process may use, without importing torch: ``CUDA_VISIBLE_DEVICES`` if set, else
+    the lines of ``nvidia-smi -L`` (0 when there is no nvidia-smi or it fails)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -115,6 +127,9 @@ class MachineFacts:
         return list(self.port_finder(n))
 
 
-def detect_machine() -> MachineFacts:
-    """This host: usable CPU cores (affinity), visible GPUs (CUDA_VISIBLE_DEVICES / nvidia-smi)."""
-    return MachineFacts(cpu_cores=_cpu_cores(), gpus=_gpus(), cpu_bf16=cpu_has_native_bf16())
+def detect_machine(gpu_count: int | None = None) -> MachineFacts:
+    """This host: usable CPU cores (affinity), visible GPUs (CUDA_VISIBLE_DEVICES / nvidia-smi).
+    ``gpu_count``: GPUs 0..N-1 instead of the visible ones (``skyrl recipes validate --gpus N``
+    checks a recipe for another machine)."""
+    gpus = tuple(range(visible_gpu_count() if gpu_count is None else gpu_count))
+    return MachineFacts(cpu_cores=_cpu_cores(), gpus=gpus, cpu_bf16=cpu_has_native_bf16())

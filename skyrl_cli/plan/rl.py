@@ -5,8 +5,8 @@ jobs. The orchestrator and the learner meet in the run directory (``backends.exc
 plan only has to give both the same run directory, the initial policy and the URLs.
 
 Devices. On GPUs the trainer takes ``trainer.gpus`` (default: the first ``trainer.ranks`` GPUs) and
-the engines the GPUs after them (``tensor_parallel`` each); asking for more than exists is an error
-naming the key. On CPU the engines are bound one core each (round robin) and the trainer ranks share
+the engines the GPUs after them (``tensor_parallel`` each); a layout the machine cannot hold never
+gets here (``skyrl_cli.recipe.feasibility`` refuses it when the recipe is loaded). On CPU the engines are bound one core each (round robin) and the trainer ranks share
 all cores: on a 2-core machine generation and training then compete for the cores, which is why the
 async mode's gain shows in its benchmark with a fixed-time trainer, not on the quickstart's clock.
 """
@@ -19,23 +19,10 @@ from skyrl_cli.errors import UsageError
 from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
-from skyrl_cli.plan.trainer import trainer_device, trainer_resources, trainer_spec
+from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
 from skyrl_cli.recipe.schema import Recipe
 
 ORCHESTRATOR_NAME = "orchestrator"
-# Attention head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py);
-# the GPU backends accept all of them too.
-VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def check_servable(recipe: Recipe) -> None:
-    """A tiny model the engines cannot serve must fail here, not minutes later inside vLLM."""
-    init = recipe.model.init
-    if init is not None and init.hidden_size // init.heads not in VLLM_HEAD_SIZES:
-        raise UsageError(
-            f"model.init: head size hidden_size / heads = {init.hidden_size // init.heads} cannot be served by vLLM "
-            f"(supported: {', '.join(map(str, VLLM_HEAD_SIZES))}); change hidden_size or heads"
-        )
 LEARNER_MODULE = "backends.train.rl_learner"
 
 
@@ -51,7 +38,7 @@ def init_model_dir(recipe: Recipe, runs_root: Path | None = None) -> Path:
 
 def inference_machine(recipe: Recipe, machine: MachineFacts, device: str) -> Machine:
     if device == "cuda":
-        taken = set(recipe.trainer.gpus or machine.gpus[: recipe.trainer.ranks])
+        taken = set(trainer_gpus(recipe, machine))
         return Machine("cuda", engine_cores=machine.cpu_cores, engine_gpus=tuple(g for g in machine.gpus if g not in taken),
                        python=machine.python, host=machine.host)  # fmt: skip
     return Machine("cpu", engine_cores=machine.cpu_cores, python=machine.python, host=machine.host, cpu_bf16=machine.cpu_bf16)
@@ -86,11 +73,7 @@ def plan_rl(
 ) -> LaunchPlan:
     if recipe.rl is None:
         raise UsageError("the recipe has no [rl] section")
-    rl, inf = recipe.rl, recipe.inference
-    check_servable(recipe)
-    world = recipe.trainer.ranks * recipe.trainer.nnodes
-    if rl.prompts_per_step * rl.samples_per_prompt < world:
-        raise UsageError(f"rl.prompts_per_step: {rl.prompts_per_step} x {rl.samples_per_prompt} samples cannot be split over {world} ranks")
+    inf = recipe.inference
     init_from = init_model_dir(recipe)
     device = trainer_device(recipe, machine)
     inf_machine = inference_machine(recipe, machine, device)
@@ -111,7 +94,7 @@ def plan_rl(
         device=device,
         resume=resume,
         async_mode=async_mode,
-        world_size=world,
+        world_size=world_size(recipe),
         engine_urls=tuple(urls),
         router_url=router_url,
         processes=(*engines, router, orchestrator, trainer),

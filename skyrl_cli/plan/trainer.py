@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
-from skyrl_cli.errors import UsageError
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_cli.recipe.schema import Recipe
@@ -38,6 +37,11 @@ class TrainerResources:
     threads_per_rank: int
 
 
+def world_size(recipe: Recipe) -> int:
+    """Trainer processes over all nodes: the count every global batch is split over."""
+    return recipe.trainer.ranks * recipe.trainer.nnodes
+
+
 def trainer_device(recipe: Recipe, machine: MachineFacts) -> Literal["cpu", "cuda"]:
     device = recipe.trainer.device
     if device == "auto":
@@ -45,26 +49,20 @@ def trainer_device(recipe: Recipe, machine: MachineFacts) -> Literal["cpu", "cud
     return device
 
 
+def trainer_gpus(recipe: Recipe, machine: MachineFacts) -> tuple[int, ...]:
+    """The trainer's GPU ids on a GPU machine: ``trainer.gpus``, else the first ``trainer.ranks``."""
+    trainer = recipe.trainer
+    return tuple(trainer.gpus) if trainer.gpus is not None else tuple(machine.gpus[: trainer.ranks])
+
+
 def trainer_resources(recipe: Recipe, machine: MachineFacts, cores: Sequence[int] | None = None) -> TrainerResources:
     """Devices and threads of the trainer; ``cores`` restricts it to part of the CPU (the RL stage
-    gives the rest to the engines). Impossible layouts raise ``UsageError`` naming the recipe key."""
+    gives the rest to the engines). The layout fits the machine: ``skyrl_cli.recipe.feasibility``
+    checked it (``build_plan`` asserts it)."""
     trainer = recipe.trainer
     device = trainer_device(recipe, machine)
     cores = tuple(cores if cores is not None else machine.cpu_cores)
-    gpus: tuple[int, ...] = ()
-    if device == "cuda":
-        if not machine.gpus:
-            raise UsageError('trainer.device: "cuda" but no GPU is visible')
-        gpus = tuple(trainer.gpus) if trainer.gpus is not None else tuple(machine.gpus[: trainer.ranks])
-        missing = [g for g in gpus if g not in machine.gpus]
-        if missing:
-            raise UsageError(f"trainer.gpus: GPU {missing[0]} does not exist ({len(machine.gpus)} visible)")
-        if len(gpus) < trainer.ranks:
-            raise UsageError(
-                f"trainer.ranks: {trainer.ranks} GPU ranks per node need {trainer.ranks} GPUs; {len(machine.gpus)} visible"
-            )
-    if not cores:
-        raise UsageError("trainer.ranks: no CPU cores left for the trainer")
+    gpus = trainer_gpus(recipe, machine) if device == "cuda" else ()
     threads = trainer.threads_per_rank or max(1, len(cores) // trainer.ranks)
     return TrainerResources(device, cores, gpus, threads)
 

@@ -18,31 +18,25 @@ from typing import Any, Iterable
 from pydantic import ValidationError
 
 from skyrl_cli.errors import RecipeError
+from skyrl_cli.plan.machine import MachineFacts, detect_machine
+from skyrl_cli.recipe.feasibility import feasibility_problems
 from skyrl_cli.recipe.keys import table_model, unknown_key_message
-from skyrl_cli.recipe.locator import KeyPath, line_of, locate_keys
+from skyrl_cli.recipe.lengths import length_problems, with_model_lengths
+from skyrl_cli.recipe.locator import dotted, line_of, locate_keys
 from skyrl_cli.recipe.overrides import Override, apply_overrides, parse_overrides
 from skyrl_cli.recipe.schema import Recipe
 from skyrl_cli.recipe.validate import (
     Problem,
     data_problems,
-    layout_problems,
     loss_problems,
     missing_files,
     not_yet_implemented,
     user_code_problems,
-    visible_gpu_count,
     with_absolute_paths,
 )
 
 _SET_LINE = 1 << 30  # --set problems sort after the file's
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)$|\s*\(at end of document\)$")
-
-
-def dotted(path: KeyPath) -> str:
-    out = ""
-    for key in path:
-        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else key)
-    return out
 
 
 def _toml_literal(value: Any) -> str:
@@ -100,8 +94,11 @@ def load_recipe(
     path: str | os.PathLike,
     sets: Iterable[str] = (),
     gpu_count: int | None = None,
+    machine: MachineFacts | None = None,
 ) -> Recipe:
-    """Load, override, validate and check a recipe file. ``gpu_count=None`` asks this machine."""
+    """Load, override, validate and check a recipe file against ``machine`` (default: this host's
+    facts, with GPUs 0..``gpu_count``-1 when ``gpu_count`` is given). Lengths left to the model
+    come back concrete (``skyrl_cli.recipe.lengths``)."""
     file = str(path)
     recipe_path = Path(path)
     if not recipe_path.is_file():
@@ -127,7 +124,9 @@ def load_recipe(
     problems += user_code_problems(recipe, base_dir)
     problems += loss_problems(recipe)
     problems += data_problems(recipe)
-    problems += layout_problems(recipe, visible_gpu_count() if gpu_count is None else gpu_count)
+    problems += length_problems(recipe, base_dir)
+    recipe = with_model_lengths(recipe, base_dir)
+    problems += feasibility_problems(recipe, machine if machine is not None else detect_machine(gpu_count))
     if problems or early:
         _raise(early + [fmt(p) for p in problems])
     return with_absolute_paths(recipe, base_dir)

@@ -16,6 +16,14 @@ KeyPath = tuple[str | int, ...]
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
+def dotted(path: KeyPath) -> str:
+    """A key path as a TOML reader writes it: ``rl.loss.eps_low``, ``trainer.gpus[1]``."""
+    out = ""
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else key)
+    return out
+
+
 def _parse_key(text: str, pos: int) -> tuple[list[str], int] | None:
     """Parse a (dotted, maybe quoted) key at ``pos``; return its parts and the position after it."""
     parts: list[str] = []

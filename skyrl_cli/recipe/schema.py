@@ -2,7 +2,8 @@
 
 A recipe is frozen once validated (``Recipe``) and is the only configuration the launched processes
 receive (as ``recipe.resolved.json`` in the run directory). Derived values (world sizes, ports, paths)
-are computed by ``skyrl_cli.plan``, never here: validators only check.
+are computed by ``skyrl_cli.plan``, and lengths left to the model (``None`` here) by
+``skyrl_cli.recipe.lengths``, never here: validators only check.
 
 This module imports nothing heavy (pydantic only) because ``skyrl recipes validate`` and the backend
 processes both load it.
@@ -115,7 +116,11 @@ class DataConfig(Section):
     )
     eval_size: PositiveInt = Field(500, description="Rows in the held-out split (built-in task or cap on files).")
     digits: Annotated[int, Field(ge=1, le=12)] = Field(3, description="Operand digits (addition) or string length (reversal).")
-    max_length: Annotated[int, Field(ge=8, le=131072)] = Field(512, description="Sequences are truncated to this many tokens.")
+    max_length: Annotated[int, Field(ge=8, le=131072)] | None = Field(
+        None,
+        description="Sequences are truncated to this many tokens. Unset: the model's max_position_embeddings "
+        "(model.init, or model.path's config.json), capped at 512; more than the model's is an error.",
+    )
 
     @model_validator(mode="after")
     def _task_or_files(self) -> "DataConfig":
@@ -264,7 +269,11 @@ class InferenceConfig(Section):
     tensor_parallel: PositiveInt = Field(1, description="GPUs per engine (tensor parallelism).")
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(0.85, description="vLLM GPU memory share.")
     kv_cache_bytes: PositiveInt = Field(64 * 2**20, description="KV cache per engine on CPU.")
-    max_model_len: PositiveInt = Field(512, description="Longest prompt + response.")
+    max_model_len: PositiveInt | None = Field(
+        None,
+        description="Longest prompt + response. Unset: the served model's max_position_embeddings (model.init, "
+        "or the config.json of model.path / rl.init_from), capped at 512; more than the model's is an error.",
+    )
     max_num_seqs: PositiveInt = Field(64, description="Concurrent sequences per engine.")
     max_concurrency: PositiveInt = Field(64, description="In-flight requests the rollout client allows.")
     request_timeout_s: PositiveFloat = Field(120.0, description="Per-request timeout.")

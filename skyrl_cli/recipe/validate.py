@@ -1,5 +1,7 @@
-"""Checks beyond the schema: knobs accepted but not implemented yet, files that must exist, and
-resource layouts this machine cannot hold.
+"""Checks beyond the schema: knobs accepted but not implemented yet, files that must exist, user
+code that must be findable, loss and data settings that cannot act. What a machine must offer
+(devices, batches over ranks, what vLLM serves) is ``skyrl_cli.recipe.feasibility``; lengths that
+follow the model are ``skyrl_cli.recipe.lengths``.
 
 Each check returns ``Problem``s (a key path and a message); ``skyrl_cli.recipe.loader`` adds the
 file and line. ``NOT_YET_IMPLEMENTED`` is THE list of accepted-but-unimplemented values: when a
@@ -8,9 +10,6 @@ feature lands, delete its entry here (and its broken-recipe test, if any) in the
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -133,89 +132,6 @@ def user_code_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
     return problems
 
 
-# ------------------------------------------------------------------------------------- resources
-
-
-def visible_gpu_count() -> int:
-    """GPUs this process may use, without importing torch: ``CUDA_VISIBLE_DEVICES`` if set, else
-    the lines of ``nvidia-smi -L`` (0 when there is no nvidia-smi or it fails)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return 0
-    try:
-        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def layout_problems(recipe: Recipe, gpu_count: int) -> list[Problem]:
-    """Resource layouts that cannot run with ``gpu_count`` visible GPUs (and other impossible sizes)."""
-    problems: list[Problem] = []
-    trainer, inference, rl, sft = recipe.trainer, recipe.inference, recipe.rl, recipe.sft
-    world_size = trainer.ranks * trainer.nnodes
-
-    on_gpu = trainer.device == "cuda" or (trainer.device == "auto" and gpu_count > 0)
-    if trainer.device == "cuda" and gpu_count == 0:
-        problems.append(Problem(("trainer", "device"), 'device = "cuda" but no GPU is visible'))
-    elif on_gpu:
-        for gpu in trainer.gpus or ():
-            if gpu >= gpu_count:
-                problems.append(Problem(("trainer", "gpus"), f"GPU {gpu} does not exist ({gpu_count} visible)"))
-        engine_gpus = inference.engines * inference.tensor_parallel if rl is not None else 0
-        needed = trainer.ranks + engine_gpus
-        if needed > gpu_count:
-            problems.append(
-                Problem(
-                    ("trainer", "ranks"),
-                    f"the layout needs {needed} GPUs ({trainer.ranks} trainer ranks + {engine_gpus} for "
-                    f"{inference.engines if rl else 0} engines) but {gpu_count} {'is' if gpu_count == 1 else 'are'} visible",
-                )
-            )
-
-    if sft is not None and sft.batch_size < world_size:
-        problems.append(
-            Problem(("sft", "batch_size"), f"{sft.batch_size} sequences cannot be split over {world_size} trainer ranks")
-        )
-    if rl is not None:
-        sequences = rl.prompts_per_step * rl.samples_per_prompt
-        if sequences < world_size:
-            problems.append(
-                Problem(("rl", "prompts_per_step"), f"{sequences} sequences per step cannot be split over {world_size} trainer ranks")
-            )
-        if rl.advantage.kind in ("grpo", "rloo") and rl.samples_per_prompt < 2:
-            problems.append(
-                Problem(("rl", "samples_per_prompt"), f"{rl.advantage.kind} needs at least 2 samples per prompt")
-            )
-        if rl.max_new_tokens >= inference.max_model_len:
-            problems.append(
-                Problem(
-                    ("rl", "max_new_tokens"),
-                    f"{rl.max_new_tokens} leaves no room for the prompt in inference.max_model_len ({inference.max_model_len})",
-                )
-            )
-    init = recipe.model.init
-    if init is not None:
-        if recipe.data.max_length > init.max_position_embeddings:
-            problems.append(
-                Problem(
-                    ("data", "max_length"),
-                    f"{recipe.data.max_length} exceeds model.init.max_position_embeddings ({init.max_position_embeddings})",
-                )
-            )
-        if rl is not None and inference.max_model_len > init.max_position_embeddings:
-            problems.append(
-                Problem(
-                    ("inference", "max_model_len"),
-                    f"{inference.max_model_len} exceeds model.init.max_position_embeddings ({init.max_position_embeddings})",
-                )
-            )
-    return problems
-
-
 # ---------------------------------------------------------------------------------------- losses
 
 
@@ -245,18 +161,7 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
         refuse("eps_low", "cispo truncates its weight above only (1 + eps_high); eps_low does not apply")
     if loss.kind == "gspo":
         refuse("reduction", "gspo always averages per sequence (the paper's 1/|y|); reduction does not apply")
-    return problems + _mini_batch_problems(recipe)
-
-
-def _mini_batch_problems(recipe: Recipe) -> list[Problem]:
-    rl = recipe.rl
-    if rl.mini_batches > rl.prompts_per_step:
-        return [Problem(("rl", "mini_batches"), f"{rl.mini_batches} mini-batches of whole groups need at least as many prompts per step ({rl.prompts_per_step})")]
-    world_size = recipe.trainer.ranks * recipe.trainer.nnodes
-    per_slice = rl.prompts_per_step // rl.mini_batches * rl.samples_per_prompt
-    if per_slice < world_size:
-        return [Problem(("rl", "mini_batches"), f"a mini-batch of {per_slice} sequences cannot be split over {world_size} trainer ranks")]
-    return []
+    return problems
 
 
 # ------------------------------------------------------------------------------------------ data

@@ -16,17 +16,21 @@ BROKEN = sorted((REPO / "tests" / "recipes_broken").glob("*.toml"))
 
 
 def expectations(path: Path) -> tuple[list[str], list[str]]:
-    """The ``# expect:`` lines (``{file}`` = the path given) and ``# args:`` of a corpus file."""
+    """The ``# expect:`` lines (``{file}`` = the path given) and ``# args:`` of a corpus file; the
+    expectations hold on a machine without GPUs unless the args give ``--gpus N``."""
     text = path.read_text()
     rel = str(path.relative_to(REPO))
     expected = [line.removeprefix("# expect: ").replace("{file}", rel) for line in text.splitlines() if line.startswith("# expect: ")]
     args = [a for line in text.splitlines() if line.startswith("# args:") for a in line.removeprefix("# args:").split()]
-    return expected, args
+    return expected, args if "--gpus" in args else [*args, "--gpus", "0"]
 
 
 def test_corpus_covers_every_kind_of_problem():
     names = {p.stem for p in BROKEN}
     assert {"syntax_error", "unknown_key", "wrong_type", "out_of_range", "missing_file", "impossible_layout"} <= names
+    # Every check the planner used to be the first to make (skyrl_cli.recipe.feasibility now).
+    assert {"vllm_head_size", "model_length_over_config", "tensor_parallel_on_cpu", "cuda_without_gpu", "missing_gpu",
+            "engines_need_gpus", "rl_batch_too_small", "batch_too_small", "lora_rank_too_high"} <= names  # fmt: skip
     assert all(expectations(p)[0] for p in BROKEN)
 
 
@@ -38,6 +42,30 @@ def test_broken_recipe_gives_the_exact_error(skyrl, path, monkeypatch):
     assert result.code == 2
     assert result.err.splitlines() == [f"error: {line}" for line in expected]
     assert "Traceback" not in result.err + result.out
+
+
+@pytest.mark.parametrize("path", BROKEN, ids=lambda p: p.stem)
+def test_dry_run_refuses_a_broken_recipe_with_the_same_lines_as_validate(skyrl, path, monkeypatch):
+    """One home for feasibility: what ``skyrl rl`` (``sft`` for a recipe without [rl]) refuses before
+    starting, ``skyrl recipes validate`` refuses too, line for line."""
+    monkeypatch.chdir(REPO)
+    expected, args = expectations(path)
+    assert args[:-2] == [] and args[-2] == "--gpus", "only --gpus translates to a run command"
+    # The run command sees as many GPUs as validate is told of.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(int(args[-1]))))
+    rel = str(path.relative_to(REPO))
+    stage = "rl" if re.search(r"^\[rl\]", path.read_text(), re.MULTILINE) else "sft"
+    validated = skyrl("recipes", "validate", rel, *args)
+    planned = skyrl(stage, rel, "--dry-run")
+    assert (validated.code, planned.code) == (2, 2)
+    assert planned.err.splitlines() == validated.err.splitlines() == [f"error: {line}" for line in expected]
+    assert planned.out == ""
+
+
+def test_a_head_size_vllm_cannot_serve_is_refused_by_validate(skyrl):
+    result = skyrl("recipes", "validate", "quickstart", "--set", "model.init.heads=8")
+    assert result.code == 2
+    assert result.err.startswith("error: --set: model.init.heads: head size hidden_size / heads = 16 cannot be served by vLLM")
 
 
 @pytest.mark.parametrize("name", ["unknown_key", "syntax_error"])

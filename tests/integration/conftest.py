@@ -44,10 +44,12 @@ def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
 
 
 def inference_recipe(engines: int = 2, policy: str = "sticky_least_loaded", model: dict | None = None, **inference):
-    """A recipe for the inference tests; ``model`` adds keys to ``[model]`` (e.g. ``lora``)."""
+    """A recipe for the inference tests; ``model`` adds keys to ``[model]`` (e.g. ``lora``), with
+    the lengths the loader gives a recipe (the clients read ``inference.max_model_len``)."""
+    from skyrl_cli.recipe.lengths import with_model_lengths
     from skyrl_cli.recipe.schema import Recipe
 
-    return Recipe.model_validate(
+    recipe = Recipe.model_validate(
         {
             "name": "itest",
             "model": {"init": {"hidden_size": 128, "layers": 2, "heads": 4}, "tokenizer": "char", **(model or {})},
@@ -62,6 +64,7 @@ def inference_recipe(engines: int = 2, policy: str = "sticky_least_loaded", mode
             },
         }
     )
+    return with_model_lengths(recipe)
 
 
 def cpu_machine():

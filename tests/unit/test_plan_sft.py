@@ -51,8 +51,9 @@ def test_gpu_plan_owns_its_gpus(tmp_path):
     assert chosen.env["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
-def test_more_gpu_ranks_than_gpus_names_the_key(tmp_path):
-    with pytest.raises(UsageError, match=r"^trainer\.ranks: 8 GPU ranks per node need 8 GPUs; 4 visible$"):
+def test_a_recipe_built_in_code_gets_the_loaders_feasibility_checks(tmp_path):
+    # The loader reports these first, as file:line problems; the planner only re-asserts them.
+    with pytest.raises(UsageError, match=r"^trainer\.ranks: the layout needs 8 GPUs \(8 trainer ranks \+ 0 for 0 engines\) but 4 are visible$"):
         build_plan(recipe(ranks=8), "sft", tmp_path, machine=GPU4)
     with pytest.raises(UsageError, match=r"^trainer\.device"):
         build_plan(recipe(device="cuda"), "sft", tmp_path, machine=CPU2)

@@ -17,7 +17,7 @@ MINIMAL = '''\
 name = "t"
 
 [model]
-init = { hidden_size = 64 }
+init = { hidden_size = 128 }
 
 [data]
 task = "addition"
