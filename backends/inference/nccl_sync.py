@@ -8,9 +8,10 @@ same control sequence as the disk path: pause (keep) -> transfer -> version labe
 in-flight requests continue under the new weights and every token records the version it was
 sampled with.
 
-Not available on CPU (vLLM's weight-transfer engines need CUDA); ``make_weight_syncer`` picks this
-path on CUDA and the disk path (``backends.inference.weight_sync``) otherwise or when NCCL setup
-fails.
+NOT REACHABLE YET: nothing calls this module; every RL run, on GPUs too, syncs weights through
+the disk path (``backends.inference.weight_sync``: safetensors + engine reload). Wiring it into the
+learner and the orchestrator (with the disk path as the fallback) is the GPU-path issue. Not
+available on CPU either way (vLLM's weight-transfer engines need CUDA).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ and brings it to the current weights itself) is reported, not fatal; an engine t
 an error is (a bad weights directory must not pass silently). A paused engine is always resumed,
 also when the reload fails.
 
-The GPU fast path (NCCL broadcast from the trainer) is ``backends.inference.nccl_sync``; LoRA
-adapters go through ``sync_lora_adapter``.
+This disk path is the only one RL runs use today, on GPUs too: the NCCL broadcast in
+``backends.inference.nccl_sync`` is written but not wired in yet, and ``sync_lora_adapter`` waits
+for LoRA in the RL stage (refused by validation until then).
 
 ``record_current_weights`` / ``read_current_weights`` keep ``<run_dir>/weights/current.json`` (the
 latest synced directory and version) so the recovery loop can bring a restarted engine up to date.

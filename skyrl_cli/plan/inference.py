@@ -137,7 +137,7 @@ def engine_argv(recipe: Recipe, machine: Machine, port: int, model_dir: str, ind
         argv += [
             "--tensor-parallel-size", str(inf.tensor_parallel),
             "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-            # The NCCL fast path of backends.inference.weight_sync; the disk path works regardless.
+            # Ready for the NCCL fast path (backends.inference.nccl_sync, not wired in yet); runs sync from disk.
             "--weight-transfer-config", json.dumps({"backend": "nccl"}),
         ]  # fmt: skip
     if inf.speculative is not None:
