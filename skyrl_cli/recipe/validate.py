@@ -161,6 +161,10 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
         refuse("eps_low", "cispo truncates its weight above only (1 + eps_high); eps_low does not apply")
     if loss.kind == "gspo":
         refuse("reduction", "gspo always averages per sequence (the paper's 1/|y|); reduction does not apply")
+    off_policy = rl.async_.off_policy
+    if loss.ratio == "rollout":
+        for key in sorted({"token_is_cap", "seq_is_cap"} & off_policy.model_fields_set):
+            problems.append(Problem(("rl", "async", "off_policy", key), 'with rl.loss.ratio = "rollout" the ratio to the sampler carries the behaviour correction; no separate IS weight applies'))
     return problems
 
 
