@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from skyrl_cli.atomic import atomic_dir, write_json, write_text
+from skyrl_cli.rundir import RunDir
 
 
 class StopRequested(Exception):
@@ -30,14 +31,12 @@ class StopRequested(Exception):
 
 class RunExchange:
     def __init__(self, run_dir: str | os.PathLike):
-        self.run_dir = Path(run_dir)
-        self.batches = self.run_dir / "batches"
-        self.weights = self.run_dir / "weights"
-        self.control = self.run_dir / "control"
+        self.paths = RunDir(run_dir)
+        self.run_dir = self.paths.root
 
     # ------------------------------------------------------------------ batches
     def batch_path(self, step: int) -> Path:
-        return self.batches / f"step-{step}.json"
+        return self.paths.batch(step)
 
     def write_batch(self, step: int, batch: dict[str, Any]) -> Path:
         path = self.batch_path(step)
@@ -55,20 +54,17 @@ class RunExchange:
 
     # ------------------------------------------------------------------ weights
     def weights_dir(self, version: int) -> Path:
-        return self.weights / f"v{version}"
+        return self.paths.weights_version(version)
 
     @contextlib.contextmanager
     def publish_weights(self, version: int) -> Iterator[Path]:
         """Write the weights of ``version`` into the yielded dir; it appears atomically, then LATEST."""
         with atomic_dir(self.weights_dir(version)) as tmp:
             yield tmp
-        write_text(self.weights / "LATEST", str(version))
+        write_text(self.paths.latest_weights, str(version))
 
     def latest_version(self) -> int | None:
-        try:
-            return int((self.weights / "LATEST").read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
+        return self.paths.latest_weights_version()
 
     def wait_version(self, version: int, timeout_s: float | None = None, poll_s: float = 0.05) -> Path:
         def published() -> bool:
@@ -84,23 +80,17 @@ class RunExchange:
         Never anything newer: the learner renames a new version into place before it updates
         LATEST, so a newer directory may exist that LATEST does not name yet.
         """
-        if not self.weights.exists():
-            return
-        for path in self.weights.glob("v*"):
-            try:
-                older = int(path.name[1:]) < version
-            except ValueError:
-                continue
-            if older:
+        for published, path in self.paths.weight_versions():
+            if published < version:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str) -> None:
-        write_text(self.control / "stop", reason)
+        write_text(self.paths.stop_request, reason)
 
     def stop_reason(self) -> str | None:
         try:
-            return (self.control / "stop").read_text()
+            return self.paths.stop_request.read_text()
         except FileNotFoundError:
             return None
 

@@ -84,7 +84,7 @@ def run_once(model_dir: Path, root: Path, args, async_mode: bool) -> dict:
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.build import build_plan
     from skyrl_cli.recipe.loader import load_recipe
-    from skyrl_cli.rundir import prepare_run_dir
+    from skyrl_cli.rundir import RunDir
 
     sets = [
         f"rl.init_from={model_dir}",
@@ -102,7 +102,7 @@ def run_once(model_dir: Path, root: Path, args, async_mode: bool) -> dict:
     run_dir = root / ("async" if async_mode else "sync")
     shutil.rmtree(run_dir, ignore_errors=True)
     plan = build_plan(recipe, "rl", run_dir, async_mode=async_mode)
-    prepare_run_dir(run_dir, recipe, plan, overwrite=True)
+    RunDir(run_dir).prepare(recipe, plan, overwrite=True)
     (orchestrator,) = [p for p in plan.processes if p.role == "orchestrator"]
     engines = [p for p in plan.processes if p.role == "engine"]
     (router,) = [p for p in plan.processes if p.role == "router"]

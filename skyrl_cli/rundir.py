@@ -1,21 +1,37 @@
-"""The run directory: where it is, and the files written before anything starts.
+"""The run directory: the one home of its layout, its readers and the files written before a start.
 
-Layout (the machine-readable contract of a run, documented in README.md):
-    recipe.resolved.json   the validated recipe (aliases as TOML keys, absolute paths)
-    plan.json              the LaunchPlan
-    logs/<process>.log     stdout+stderr of each process
-    events.jsonl           MetricEvents (skyrl_cli.metrics.events)
-    summary.json           final figures (skyrl_cli.metrics.summary)
-    checkpoints/step-<n>/  and final/
+Layout (the machine-readable contract of a run, documented in README.md)::
 
-Every JSON file here is written atomically (``skyrl_cli.atomic``: temporary file, fsync, rename), so a
-reader never sees half of one; directories (checkpoints, final/) are published whole the same way.
+    recipe.resolved.json          the validated recipe (aliases as TOML keys, absolute paths)
+    plan.json                     the LaunchPlan
+    logs/<process>.log            stdout+stderr of each process
+    events.jsonl                  MetricEvents (skyrl_cli.metrics.events)
+    summary.json                  final figures (skyrl_cli.metrics.summary)
+    checkpoints/step-<n>/         complete once trainer_state.json is in it (backends.train.checkpoint)
+    final/                        the stage's model, built at .tmp-final and published whole
+    int4/                         INT4 W4A16 export (compressed-tensors; skyrl quantize, int4_qat), via .tmp-int4
+    eval_initial.json             held-out accuracy of the RL stage's initial policy
+    batches/step-<k>.json         RL: the k-th training batch (orchestrator -> learner)
+    weights/v<k>/, weights/LATEST RL: policy versions (learner -> engines) and the newest one's number
+    weights/current.json          RL: the version the engines serve (engine recovery reloads it)
+    control/stop                  RL: either side asks the other to stop
+    orchestrator_state/step-<k>.json   RL: the rollout buffer's state at each checkpoint
+
+Every process of a run (the CLI driver and the launched backends) reaches these paths only through
+``RunDir``: a new file of the contract is added here, once. Every JSON file is written atomically
+(``skyrl_cli.atomic``: temporary file, fsync, rename), so a reader never sees half of one;
+directories (checkpoints, final/, weight versions) are published whole the same way.
+
+Light (pydantic and the standard library), so the CLI and every backend can import it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +42,191 @@ from skyrl_cli.errors import UsageError
 from skyrl_cli.recipe.schema import Recipe
 
 RUNS_ROOT = Path("runs")
-# Files whose presence means a run already happened in a directory.
-# What a previous run leaves behind (deleted by --overwrite). The RL stage's exchange folders
-# (batches, weights, control) and orchestrator state are included.
-_RUN_MARKERS = (
-    "events.jsonl", "checkpoints", "final", "summary.json",
-    "batches", "weights", "control", "orchestrator_state", "eval_initial.json",
-)  # fmt: skip
+# A checkpoint directory is complete once its trainer state is in it: the trainer writes it last
+# and renames the directory into place (backends.train.checkpoint).
+CHECKPOINT_STATE_FILE = "trainer_state.json"
+CHECKPOINT_MODEL = "model"  # the HF model inside a checkpoint (what final/ is copied from)
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths and readers of one run directory; ``RunDir(path)`` is cheap and touches nothing."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike):
+        object.__setattr__(self, "root", Path(root))
+
+    # ------------------------------------------------------------------ written before the start
+    @property
+    def resolved_recipe(self) -> Path:
+        return self.root / "recipe.resolved.json"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log(self, process: str) -> Path:
+        return self.logs / f"{process}.log"
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def eval_initial(self) -> Path:
+        return self.root / "eval_initial.json"
+
+    # ------------------------------------------------------------------ models
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    @property
+    def final(self) -> Path:
+        return self.root / "final"
+
+    @property
+    def final_tmp(self) -> Path:
+        """Where ``final/`` is built before it is published whole (``skyrl_cli.atomic.publish_dir``)."""
+        return self.root / ".tmp-final"
+
+    @property
+    def int4(self) -> Path:
+        """The INT4 W4A16 export that vLLM serves (``backends.quant.export``)."""
+        return self.root / "int4"
+
+    @property
+    def int4_tmp(self) -> Path:
+        return self.root / ".tmp-int4"
+
+    # ------------------------------------------------------------------ the RL exchange
+    @property
+    def batches(self) -> Path:
+        return self.root / "batches"
+
+    def batch(self, step: int) -> Path:
+        return self.batches / f"step-{step}.json"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    def weights_version(self, version: int) -> Path:
+        return self.weights / f"v{version}"
+
+    def weight_versions(self) -> list[tuple[int, Path]]:
+        """``(version, path)`` of every published ``weights/v<k>/``, oldest first."""
+        if not self.weights.is_dir():
+            return []
+        found = ((_VERSION_DIR.match(p.name), p) for p in self.weights.iterdir())
+        return sorted((int(m.group(1)), p) for m, p in found if m and p.is_dir())
+
+    @property
+    def latest_weights(self) -> Path:
+        return self.weights / "LATEST"
+
+    @property
+    def current_weights(self) -> Path:
+        return self.weights / "current.json"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def stop_request(self) -> Path:
+        return self.control / "stop"
+
+    @property
+    def orchestrator_state(self) -> Path:
+        return self.root / "orchestrator_state"
+
+    def orchestrator_state_at(self, step: int) -> Path:
+        return self.orchestrator_state / f"step-{step}.json"
+
+    # ------------------------------------------------------------------ readers
+    def read_recipe(self) -> Recipe:
+        return Recipe.model_validate_json(self.resolved_recipe.read_text())
+
+    def latest_weights_version(self) -> int | None:
+        """The number in ``weights/LATEST``, or ``None`` before the first publish."""
+        try:
+            return int(self.latest_weights.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every complete ``checkpoints/step-<n>/``, oldest first (numeric order)."""
+        found = []
+        if self.checkpoints.is_dir():
+            for child in self.checkpoints.iterdir():
+                match = _STEP_DIR.match(child.name)
+                if match and (child / CHECKPOINT_STATE_FILE).is_file():
+                    found.append((int(match.group(1)), child))
+        return sorted(found)
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint, or ``None``."""
+        found = self.complete_checkpoints()
+        return found[-1][1] if found else None
+
+    def initial_accuracy(self) -> float | None:
+        try:
+            return float(json.loads(self.eval_initial.read_text())["accuracy"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write_initial_accuracy(self, version: int, accuracy: float) -> None:
+        write_json(self.eval_initial, {"version": version, "accuracy": accuracy}, indent=None)
+
+    # ------------------------------------------------------------------ before a start
+    def _previous_run(self) -> list[Path]:
+        """What a previous run left behind (deleted by --overwrite), the RL exchange included."""
+        marks = (self.events, self.checkpoints, self.final, self.summary, self.batches, self.weights,
+                 self.control, self.orchestrator_state, self.eval_initial, self.int4)  # fmt: skip
+        return [p for p in marks if p.exists()]
+
+    def prepare(
+        self,
+        recipe: Recipe,
+        plan: BaseModel | dict[str, Any] | None = None,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+    ) -> "RunDir":
+        """Create the directory (and ``logs/``) and write ``recipe.resolved.json`` and ``plan.json``.
+
+        A directory that already holds a run is refused unless ``resume`` (continue it) or
+        ``overwrite`` (start again: the old events, summary, checkpoints and final model are deleted)."""
+        used = self._previous_run()
+        if used and not (resume or overwrite):
+            raise UsageError(
+                f"run directory {self.root} already holds a run; pass --resume to continue it, "
+                "--overwrite to start again, or --run-dir to use another directory"
+            )
+        if used and overwrite and not resume:
+            for target in used:
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        write_json(self.resolved_recipe, recipe_json(recipe))
+        if plan is not None:
+            write_json(self.plan, plan.model_dump(mode="json") if isinstance(plan, BaseModel) else plan)
+        return self
 
 
 def default_run_dir(recipe: Recipe, stage: str, root: Path = RUNS_ROOT) -> Path:
@@ -46,70 +240,9 @@ def resolve_run_dir(recipe: Recipe, stage: str, run_dir: str | os.PathLike | Non
 
 def sft_output_dir(recipe: Recipe, root: Path = RUNS_ROOT) -> Path:
     """Where ``rl.init_from = "sft"`` points: the final model of this recipe's SFT stage."""
-    return default_run_dir(recipe, "sft", root) / "final"
-
-
-# final/ is built at this name next to it (by the SFT trainer, or by the RL driver from the last
-# checkpoint) and published whole (skyrl_cli.atomic.publish_dir); the trainers delete a leftover.
-FINAL_TMP = ".tmp-final"
-
-# A checkpoint directory is complete once its trainer state is in it: the trainer writes it last
-# and renames the directory into place (backends.train.checkpoint). Listed here, without torch, for
-# the CLI (interruption messages, publishing final/) and for the trainers.
-CHECKPOINT_STATE_FILE = "trainer_state.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete ``checkpoints/step-<n>/``, oldest first (numeric order)."""
-    root = Path(run_dir) / "checkpoints"
-    found = []
-    if root.is_dir():
-        for child in root.iterdir():
-            match = _STEP_DIR.match(child.name)
-            if match and (child / CHECKPOINT_STATE_FILE).is_file():
-                found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint, or ``None``."""
-    found = complete_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    return RunDir(default_run_dir(recipe, "sft", root)).final
 
 
 def recipe_json(recipe: Recipe) -> dict[str, Any]:
     """The form of ``recipe.resolved.json``: ``Recipe.model_validate_json`` reads it back."""
     return recipe.model_dump(mode="json", by_alias=True)
-
-
-def prepare_run_dir(
-    run_dir: str | os.PathLike,
-    recipe: Recipe,
-    plan: BaseModel | dict[str, Any] | None = None,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-) -> Path:
-    """Create ``run_dir`` (and ``logs/``) and write ``recipe.resolved.json`` and ``plan.json``.
-
-    A directory that already holds a run is refused unless ``resume`` (continue it) or ``overwrite``
-    (start again: the old events, summary, checkpoints and final model are deleted)."""
-    run_dir = Path(run_dir)
-    used = [m for m in _RUN_MARKERS if (run_dir / m).exists()]
-    if used and not (resume or overwrite):
-        raise UsageError(
-            f"run directory {run_dir} already holds a run; pass --resume to continue it, "
-            "--overwrite to start again, or --run-dir to use another directory"
-        )
-    if used and overwrite and not resume:
-        import shutil
-
-        for marker in used:
-            target = run_dir / marker
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "recipe.resolved.json", recipe_json(recipe))
-    if plan is not None:
-        write_json(run_dir / "plan.json", plan.model_dump(mode="json") if isinstance(plan, BaseModel) else plan)
-    return run_dir

@@ -37,11 +37,11 @@ import httpx
 
 from skyrl_cli.atomic import write_json
 from skyrl_cli.errors import SkyrlError
+from skyrl_cli.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 ADMIN_TIMEOUT_S = 300.0
-CURRENT_WEIGHTS_FILE = Path("weights") / "current.json"
 
 
 class WeightSyncError(SkyrlError):
@@ -220,12 +220,12 @@ def record_current_weights(run_dir: str | os.PathLike, current: CurrentWeights) 
     """Atomically write ``weights/current.json``; call it *before* syncing the engines, so an engine
     restarted meanwhile reads the newer weights (see ``backends.inference.recovery``)."""
     record = {"path": current.path, "version": current.version, "lora_name": current.lora_name}
-    write_json(Path(run_dir) / CURRENT_WEIGHTS_FILE, record, indent=None)
+    write_json(RunDir(run_dir).current_weights, record, indent=None)
 
 
 def read_current_weights(run_dir: str | os.PathLike) -> CurrentWeights | None:
     try:
-        raw = json.loads((Path(run_dir) / CURRENT_WEIGHTS_FILE).read_text(encoding="utf-8"))
+        raw = json.loads(RunDir(run_dir).current_weights.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return CurrentWeights(str(raw["path"]), str(raw["version"]), raw.get("lora_name"))
@@ -239,3 +239,21 @@ async def bring_up_to_date(engine_urls: Sequence[str], current: CurrentWeights |
     if current.lora_name:
         return await sync_lora_adapter(engine_urls, current.lora_name, current.path, current.version)
     return await sync_weights(engine_urls, current.path, current.version)
+
+
+class EngineWeights:
+    """The orchestrator's view of the engines' weights: label the initial policy, load a published
+    version. ``weights/current.json`` is recorded before each load, so an engine that the recovery
+    loop restarts meanwhile loads the same version (``backends.inference.recovery``)."""
+
+    def __init__(self, engine_urls: Sequence[str], run_dir: str | os.PathLike, *, reset_prefix_cache: bool = False):
+        self.engine_urls = list(engine_urls)
+        self.run_dir = run_dir
+        self.reset_prefix_cache = reset_prefix_cache
+
+    async def label_initial(self) -> None:
+        await set_weight_version(self.engine_urls, "0")
+
+    async def load(self, version: int, weights_dir: str | os.PathLike) -> WeightSyncResult:
+        record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(version)))
+        return await sync_weights(self.engine_urls, weights_dir, version, reset_prefix_cache=self.reset_prefix_cache)

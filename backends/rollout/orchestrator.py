@@ -1,7 +1,13 @@
 """The RL orchestrator process: rollouts through the router, rewards, batches, weight sync, eval.
 
 ``python -m backends.rollout.orchestrator --run-dir DIR --init-from MODEL --router-url URL
---engine-urls URL,URL [--async] [--resume]``
+--engine-urls URL,URL [--async]``
+
+``Orchestrator`` takes everything it talks to as arguments (a rollout client factory, the engines'
+weight loader, the exchange, the event writer), so a unit test drives it with recording fakes;
+``build_orchestrator`` wires the real ones from the run directory. It starts from the version the
+learner publishes first (``weights/LATEST``: 0, or a resumed checkpoint's step). Progress goes to
+the ``skyrl.orchestrator`` logger and to metric events, never to ``print``.
 
 One code path for sync and fully-async RL: generation workers draw prompts from an
 ``AsyncGroupBuffer`` whose staleness bound is ``rl.async.max_staleness`` with ``--async`` and 0
@@ -22,14 +28,14 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 
 from skyrl_cli.atomic import write_json
 from skyrl_cli.metrics.events import EventWriter
 from skyrl_cli.recipe.schema import Recipe
+from skyrl_cli.rundir import RunDir
 
 PROCESS_NAME = "orchestrator"
-STATE_DIR = "orchestrator_state"
 log = logging.getLogger("skyrl.orchestrator")
 
 
@@ -54,7 +60,7 @@ def report_user_code(ref: str | None) -> None:
     the import path would otherwise be used silently."""
     if ref:
         module = sys.modules.get(ref.partition(":")[0])
-        print(f"user code: {ref} from {getattr(module, '__file__', None) or module}", flush=True)
+        log.info("user code: %s from %s", ref, getattr(module, "__file__", None) or module)
 
 
 def encode_observation(tokenizer, messages) -> list[int]:
@@ -69,26 +75,35 @@ def encode_observation(tokenizer, messages) -> list[int]:
 
 
 class Orchestrator:
-    def __init__(self, args: argparse.Namespace):
-        from backends.models.tokenizer import load_tokenizer
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        tokenizer,
+        rows: tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]],
+        open_client: Callable[[], AsyncContextManager],
+        engines,
+        exchange,
+        events,
+        async_mode: bool,
+    ):
+        """``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
+        router); ``engines``: an ``EngineWeights`` (admin calls to every engine); ``exchange``: the
+        ``RunExchange`` with the learner; ``events``: an ``EventWriter``; ``rows``: (train, eval)."""
         from backends.rollout.environments import environment_factory
         from backends.rollout.rewards import GuardedCaller
 
-        self.run_dir: Path = args.run_dir.resolve()
-        self.recipe = Recipe.model_validate_json((self.run_dir / "recipe.resolved.json").read_text())
-        self.rl = self.recipe.rl
-        self.async_mode = bool(args.async_mode)
-        self.staleness = self.rl.async_.max_staleness if self.async_mode else 0
-        self.router_url = args.router_url
-        self.engine_urls = [u for u in args.engine_urls.split(",") if u]
-        self.resume = args.resume
-        self.tokenizer = load_tokenizer(str(args.init_from))
-        self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
-        self.make_env = environment_factory(self.recipe)
-        report_user_code(self.rl.environment or self.rl.reward)
+        self.recipe, self.rl = recipe, recipe.rl
+        self.async_mode = async_mode
+        self.staleness = self.rl.async_.max_staleness if async_mode else 0
+        self.tokenizer = tokenizer
+        self.stop_ids = [t for t in (tokenizer.eos_token_id,) if t is not None]
+        self.train_rows, self.eval_rows = list(rows[0]), list(rows[1])
+        self.open_client, self.engines, self.exchange, self.events = open_client, engines, exchange, events
+        self.paths: RunDir = exchange.paths
+        self.make_env = environment_factory(recipe)
         self.caller = GuardedCaller(self.rl.reward_timeout_s)
-        self.train_rows, self.eval_rows = load_rows(self.recipe)
-        self.events = EventWriter(self.run_dir / "events.jsonl", PROCESS_NAME)
+        self.start = 0  # the first version the learner publishes, known once run() has waited for it
         self.version = 0
         self.errors = 0
         self.window_tokens = 0
@@ -203,11 +218,11 @@ class Orchestrator:
         )
         accuracy = sum(ep.reward for _, ep in results) / max(1, len(results))
         metrics = {"eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0}
-        if version == 0 or not (self.run_dir / "eval_initial.json").exists():
+        if version == 0 or self.paths.initial_accuracy() is None:
             metrics["eval/accuracy_initial"] = accuracy
-            write_json(self.run_dir / "eval_initial.json", {"version": version, "accuracy": accuracy}, indent=None)
+            self.paths.write_initial_accuracy(version, accuracy)
         self.events.log(version, metrics)
-        print(f"eval at version {version}: accuracy {accuracy:.4f} ({len(results)} prompts)", flush=True)
+        log.info("eval at version %d: accuracy %.4f (%d prompts)", version, accuracy, len(results))
         return accuracy
 
     def eval_due(self, version: int) -> bool:
@@ -215,55 +230,50 @@ class Orchestrator:
         return version == self.start or version == self.rl.steps or bool(every and version % every == 0)
 
     # ------------------------------------------------------------------------------ weights
-    async def watch_weights(self, client, buffer, exchange) -> None:
+    async def watch_weights(self, client, buffer) -> None:
         """Push every version the learner publishes to the engines, then admit generation on it."""
         while self.version < self.rl.steps:
-            latest = exchange.latest_version()
+            latest = self.exchange.latest_version()
             if latest is None or latest <= self.version:
-                if exchange.stop_reason():
+                if self.exchange.stop_reason():
                     return
                 await asyncio.sleep(0.05)
                 continue
-            t0 = time.perf_counter()
-            await self.sync_engines(exchange, latest)
+            await self.sync_engines(latest)
             self.version = latest
-            self.events.log(latest, {"timing/sync_weights_s": time.perf_counter() - t0})
             if self.eval_due(latest):
                 await self.evaluate(client, latest)
             self.save_state(buffer, latest)
             await buffer.publish_version(latest)
 
-    async def sync_engines(self, exchange, version: int) -> None:
-        """Every engine onto ``version`` (recorded first, so an engine restarted meanwhile by the
-        recovery loop loads it too); then older published versions are deleted."""
-        from backends.inference.weight_sync import CurrentWeights, record_current_weights, sync_weights
-
-        weights_dir = exchange.weights_dir(version)
-        record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(version)))
-        result = await sync_weights(self.engine_urls, weights_dir, version, reset_prefix_cache=self.rl.async_.reset_prefix_cache)
-        print(f"engines on policy version {version} ({result.seconds:.3f} s)", flush=True)
-        exchange.prune_weights_before(version)
+    async def sync_engines(self, version: int) -> None:
+        """Every engine onto ``version``; then older published versions are deleted."""
+        t0 = time.perf_counter()
+        result = await self.engines.load(version, self.exchange.weights_dir(version))
+        log.info("engines on policy version %d (%.3f s)", version, result.seconds)
+        self.events.log(version, {"timing/sync_weights_s": time.perf_counter() - t0, "weights/version": version})
+        self.exchange.prune_weights_before(version)
 
     def save_state(self, buffer, version: int) -> None:
         """Buffer state for a checkpoint the learner writes at the same version."""
         every = self.rl.save_every
         if not ((every and version % every == 0) or version == self.rl.steps):
             return
-        write_json(self.run_dir / STATE_DIR / f"step-{version}.json", buffer.state_dict(trained_batches=version), indent=None)
+        write_json(self.paths.orchestrator_state_at(version), buffer.state_dict(trained_batches=version), indent=None)
 
     def restore_buffer(self):
         from backends.rollout.buffer import AsyncGroupBuffer, PromptSampler
 
         drop = self.rl.dynamic_sampling.enabled
         batch = self.rl.prompts_per_step
-        state_file = self.run_dir / STATE_DIR / f"step-{self.start}.json"
+        state_file = self.paths.orchestrator_state_at(self.start)
         if self.start > 0 and state_file.exists():
             return AsyncGroupBuffer.from_state(json.loads(state_file.read_text()), batch, self.staleness, drop_zero_variance=drop)
         sampler = PromptSampler(len(self.train_rows), self.recipe.seed)
         return AsyncGroupBuffer(sampler, batch, self.staleness, drop_zero_variance=drop, version=self.start)
 
     # ------------------------------------------------------------------------------ the loop
-    async def feed_trainer(self, buffer, exchange) -> None:
+    async def feed_trainer(self, buffer) -> None:
         from backends.rollout.batch import flatten
 
         rl = self.rl
@@ -273,7 +283,7 @@ class Orchestrator:
             if taken is None:
                 return
             samples = flatten(taken.groups)
-            exchange.write_batch(step, {"step": step, "samples": [s.to_dict() for s in samples]})
+            self.exchange.write_batch(step, {"step": step, "samples": [s.to_dict() for s in samples]})
             elapsed = time.perf_counter() - self.window_started
             rewards = [s.reward for s in samples]
             metrics = {
@@ -300,36 +310,30 @@ class Orchestrator:
             return await buffer.take_batch()
         taken = await buffer.take_batch(partial_after_drops=ds.max_extra_batches * self.rl.prompts_per_step)
         if taken is not None and buffer.last_batch_partial:
-            print(
-                f"dynamic sampling: {taken.dropped_since_last} groups with equal rewards dropped, more than "
-                f"rl.dynamic_sampling.max_extra_batches = {ds.max_extra_batches} batches' worth; "
-                f"training step {taken.step + 1} on {len(taken.groups)} groups",
-                flush=True,
-            )
+            log.info(
+                "dynamic sampling: %d groups with equal rewards dropped, more than "
+                "rl.dynamic_sampling.max_extra_batches = %d batches' worth; training step %d on %d groups",
+                taken.dropped_since_last, ds.max_extra_batches, taken.step + 1, len(taken.groups),
+            )  # fmt: skip
         return taken
 
-    async def run(self) -> None:
-        from backends.exchange import RunExchange
-        from backends.inference.weight_sync import set_weight_version
-        from backends.rollout.client import RolloutClient
-
-        exchange = RunExchange(self.run_dir)
+    async def run(self, first_version_timeout_s: float = 1800) -> None:
         # The learner publishes the policy it starts from (v0, or the resumed checkpoint's step).
-        exchange.wait_version(0, timeout_s=1800)
-        self.start = exchange.latest_version()
+        await asyncio.to_thread(self.exchange.wait_version, 0, first_version_timeout_s)
+        self.start = self.exchange.latest_version()
         self.events.log(self.start, {"progress/total_steps": self.rl.steps})
         buffer = self.restore_buffer()
-        async with RolloutClient.from_recipe(self.router_url, self.recipe) as client:
+        async with self.open_client() as client:
             if self.start > 0:
-                await self.sync_engines(exchange, self.start)
+                await self.sync_engines(self.start)
             else:
-                await set_weight_version(self.engine_urls, "0")
+                await self.engines.label_initial()
             self.version = self.start
             await self.evaluate(client, self.start)
             n_workers = max(1, self.recipe.inference.max_concurrency // self.rl.samples_per_prompt)
             workers = [asyncio.create_task(self.worker(client, buffer)) for _ in range(n_workers)]
-            watcher = asyncio.create_task(self.watch_weights(client, buffer, exchange))
-            feeder = asyncio.create_task(self.feed_trainer(buffer, exchange))
+            watcher = asyncio.create_task(self.watch_weights(client, buffer))
+            feeder = asyncio.create_task(self.feed_trainer(buffer))
             try:
                 # The run ends when the last batch is written and the last version synced and
                 # evaluated; a failure of any task (a weight sync the engines refused) ends it at once.
@@ -353,6 +357,29 @@ async def until_done_or_failed(required: set[asyncio.Task], others: set[asyncio.
                 raise task.exception()
 
 
+def build_orchestrator(run_dir: Path, init_from: Path, router_url: str, engine_urls: Sequence[str], async_mode: bool) -> Orchestrator:
+    """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner."""
+    from backends.exchange import RunExchange
+    from backends.inference.weight_sync import EngineWeights
+    from backends.models.tokenizer import load_tokenizer
+    from backends.rollout.client import RolloutClient
+
+    paths = RunDir(run_dir)
+    recipe = paths.read_recipe()
+    orchestrator = Orchestrator(
+        recipe,
+        tokenizer=load_tokenizer(str(init_from)),
+        rows=load_rows(recipe),
+        open_client=lambda: RolloutClient.from_recipe(router_url, recipe),
+        engines=EngineWeights(engine_urls, run_dir, reset_prefix_cache=recipe.rl.async_.reset_prefix_cache),
+        exchange=RunExchange(run_dir),
+        events=EventWriter(paths.events, PROCESS_NAME),
+        async_mode=async_mode,
+    )
+    report_user_code(recipe.rl.environment or recipe.rl.reward)  # imported by the environment factory
+    return orchestrator
+
+
 def main(argv: list[str] | None = None) -> None:
     from backends.exchange import RunExchange, StopRequested
 
@@ -362,7 +389,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router-url", required=True)
     parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
     parser.add_argument("--async", dest="async_mode", action="store_true")
-    parser.add_argument("--resume", action="store_true")
     parser.add_argument(
         "--import-path", action="append", default=[], help="searched first for rl.reward / rl.environment (the recipe's directory)"
     )
@@ -370,11 +396,12 @@ def main(argv: list[str] | None = None) -> None:
     sys.path[:0] = [p for p in args.import_path if p not in sys.path]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    orchestrator = Orchestrator(args)
+    urls = [u for u in args.engine_urls.split(",") if u]
+    orchestrator = build_orchestrator(args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode)
     try:
         asyncio.run(orchestrator.run())
     except StopRequested as stop:
-        print(f"stopping: {stop}", flush=True)
+        log.warning("stopping: %s", stop)
         raise SystemExit(1)
     except BaseException as err:
         RunExchange(args.run_dir).request_stop(f"orchestrator failed: {type(err).__name__}: {err}")

@@ -29,24 +29,20 @@ import torch.distributed as dist
 from skyrl_cli import atomic
 
 # The one checkpoint lister lives with the run directory, light enough for the CLI (no torch).
+from skyrl_cli.rundir import CHECKPOINT_MODEL, RunDir
 from skyrl_cli.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
-from skyrl_cli.rundir import FINAL_TMP
-from skyrl_cli.rundir import complete_checkpoints, latest_checkpoint  # noqa: F401 - re-exported
 
 DS_TAG = "state"
-
-
-def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
 
 
 def remove_leftovers(run_dir: str | os.PathLike) -> None:
     """Clean up after a killed run (rank 0, before training starts): partial or discarded
     checkpoints, and a half-published ``final/`` (the SFT trainer's, or the RL driver's, which only
     publishes after this process has exited)."""
-    atomic.remove_leftovers(checkpoints_dir(run_dir))
-    shutil.rmtree(Path(run_dir) / FINAL_TMP, ignore_errors=True)
-    atomic.recover_dir(Path(run_dir) / "final")
+    paths = RunDir(run_dir)
+    atomic.remove_leftovers(paths.checkpoints)
+    shutil.rmtree(paths.final_tmp, ignore_errors=True)
+    atomic.recover_dir(paths.final)
 
 
 def _barrier() -> None:
@@ -79,22 +75,22 @@ def save_checkpoint(
     """Collective: every rank calls it. ``export_model(dir)`` writes the HF model (itself collective
     under ZeRO-3; only rank 0 writes files). Returns the checkpoint path."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    root = checkpoints_dir(run_dir)
-    tmp = root / f".tmp-step-{step}"
+    paths = RunDir(run_dir)
+    final = paths.checkpoint(step)
+    tmp = final.with_name(f"{atomic.TMP_PREFIX}{final.name}")
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
     engine.save_checkpoint(str(tmp / "deepspeed"), tag=DS_TAG, save_latest=False)
-    export_model(tmp / "model")
+    export_model(tmp / CHECKPOINT_MODEL)
     torch.save(rng_state(), tmp / "rng" / f"rank-{rank}.pt")
     _barrier()
-    final = root / f"step-{step}"
     if rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
         atomic.publish_dir(tmp, final)
-        for _, old in complete_checkpoints(run_dir)[:-keep_last]:
+        for _, old in paths.complete_checkpoints()[:-keep_last]:
             atomic.discard_dir(old)
     _barrier()
     return final

@@ -51,21 +51,15 @@ def init_distributed(preference: str = "auto") -> Dist:
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        from skyrl_cli.ports import find_free_ports
+
+        os.environ["MASTER_PORT"] = str(find_free_ports(1)[0])
     deepspeed.init_distributed(dist_backend="nccl" if kind == "cuda" else "gloo", verbose=False)
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(device)
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool) -> dict:

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from skyrl_cli.metrics.events import EventWriter
+from backends.train.common import HFExporter, load_recipe, open_events, say
+from skyrl_cli.rundir import RunDir
 
-PROCESS_NAME = "trainer"
 BATCH_TIMEOUT_S = 3600.0
 
 
@@ -147,10 +147,10 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         from backends.exchange import RunExchange
+        from backends.models.loading import torch_dtype
         from backends.models.tokenizer import load_tokenizer
         from backends.train.engine import init_distributed, make_engine
         from backends.train.schedule import schedule
-        from backends.train.sft import HFExporter, load_recipe
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.run_dir = run_dir
@@ -159,14 +159,14 @@ class Learner:
         self.updates = rl.epochs * rl.mini_batches
         trainer = recipe.trainer
         self.dist = init_distributed(trainer.device)
-        self.events = EventWriter(run_dir / "events.jsonl", PROCESS_NAME) if self.dist.is_main else None
+        self.events = open_events(run_dir, self.dist)
         self.exchange = RunExchange(run_dir)
         self.tokenizer = load_tokenizer(str(init_from))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
         torch.manual_seed(recipe.seed)
-        bf16 = recipe.model.dtype == "bfloat16" or (recipe.model.dtype == "auto" and self.dist.on_gpu)
-        dtype = torch.bfloat16 if bf16 else torch.float32
+        dtype = torch_dtype(recipe.model, self.dist.device.type)
+        bf16 = dtype == torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype)
         self.reference = None
         if rl.kl.coef > 0:
@@ -186,9 +186,9 @@ class Learner:
         self.start_step = self._restore() if resume else 0
 
     def _restore(self) -> int:
-        from backends.train.checkpoint import latest_checkpoint, load_checkpoint
+        from backends.train.checkpoint import load_checkpoint
 
-        checkpoint = latest_checkpoint(self.run_dir)
+        checkpoint = RunDir(self.run_dir).latest_checkpoint()
         if checkpoint is None:
             return 0
         step = int(load_checkpoint(self.engine, checkpoint)["step"])
@@ -196,8 +196,7 @@ class Learner:
         return step
 
     def say(self, msg: str) -> None:
-        if self.dist.is_main:
-            print(msg, flush=True)
+        say(self.dist, msg)
 
     # ----------------------------------------------------------------------------- one step
     def _updates(self, samples) -> list[Update]:

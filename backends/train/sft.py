@@ -19,37 +19,10 @@ from pathlib import Path
 
 import torch
 
+from backends.train.common import HFExporter, load_recipe, open_events, say
 from skyrl_cli.atomic import publish_dir
-from skyrl_cli.metrics.events import EventWriter
 from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import FINAL_TMP
-
-PROCESS_NAME = "trainer"
-
-
-def load_recipe(run_dir: Path) -> Recipe:
-    return Recipe.model_validate_json((run_dir / "recipe.resolved.json").read_text())
-
-
-class HFExporter:
-    """Writes the trained model (+ tokenizer) as an HF directory; collective under ZeRO-3."""
-
-    def __init__(self, engine, tokenizer, dist, zero_stage: int):
-        self.engine, self.tokenizer, self.dist, self.zero_stage = engine, tokenizer, dist, zero_stage
-
-    def __call__(self, out_dir: Path) -> None:
-        from backends.models.loading import save_hf
-        from backends.models.lora import is_peft, merged_copy, save_adapter
-
-        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
-        if not self.dist.is_main:
-            return
-        module = self.engine.module
-        if is_peft(module):
-            save_hf(merged_copy(module), self.tokenizer, out_dir)
-            save_adapter(module, out_dir / "adapter")
-        else:
-            save_hf(module, self.tokenizer, out_dir, state_dict=state_dict)
+from skyrl_cli.rundir import RunDir
 
 
 class Window:
@@ -65,6 +38,13 @@ class Window:
         self.efficiency = 0.0
         self.steps = 0
         self.started = time.perf_counter()
+
+    def add(self, nll: float, loss_tokens: int, lengths: list[int], layout) -> None:
+        self.nll += nll
+        self.loss_tokens += loss_tokens
+        self.real_tokens += sum(lengths)
+        self.efficiency += layout.packing_efficiency(lengths)
+        self.steps += 1
 
 
 def step_layout(lengths, recipe: Recipe, world_size: int, layout_kind: str):
@@ -83,148 +63,199 @@ def packed_layout_kind(model) -> str:
     return "padding_free" if impl.startswith("flash_attention") else "padded"
 
 
-def train(run_dir: Path, resume: bool) -> None:
-    import deepspeed
+class SFTTrainer:
+    def __init__(self, run_dir: Path, resume: bool):
+        import deepspeed
 
-    from backends.data.sft import batch_indices, build_sft_data, load_source
-    from backends.models.loading import load_model, load_tokenizer_for, torch_dtype
-    from backends.models.lora import apply_lora
-    from backends.train.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
-    from backends.train.engine import all_gather_list, all_reduce_sum, grad_norm, init_distributed, make_engine, train_step
-    from backends.train.evaluate import eval_accuracy, eval_loss
-    from backends.train.microbatch import rank_micro_batches
-    from backends.train.schedule import schedule
+        from backends.train.checkpoint import remove_leftovers
+        from backends.train.engine import init_distributed
 
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    recipe = load_recipe(run_dir)
-    sft, trainer = recipe.sft, recipe.trainer
-    if sft is None:
-        raise SystemExit("recipe has no [sft] section")
-    if recipe.model.lora is not None and trainer.zero_stage == 3:
-        raise SystemExit("LoRA with ZeRO-3 is not supported; use trainer.zero_stage <= 2")
-    dist = init_distributed(trainer.device)
-    events = EventWriter(run_dir / "events.jsonl", PROCESS_NAME) if dist.is_main else None
-    say = (lambda msg: print(msg, flush=True)) if dist.is_main else (lambda msg: None)
-    if events:
-        events.log(0, {"progress/total_steps": sft.steps})
-
-    started = time.perf_counter()
-    source = load_source(recipe.data, recipe.seed)
-    tokenizer = load_tokenizer_for(recipe.model, source.alphabet())
-    data = build_sft_data(source, tokenizer, recipe.data, shard=(dist.rank, dist.world_size), gather=all_gather_list)
-    say(f"data: {len(data.train)} train / {len(data.eval)} eval sequences ({data.dropped} dropped) "
-        f"in {time.perf_counter() - started:.1f}s")
-
-    torch.manual_seed(recipe.seed)
-    model = load_model(recipe.model, tokenizer, recipe.seed)
-    layout_kind = packed_layout_kind(model)
-    if recipe.model.lora is not None:
-        model = apply_lora(model, recipe.model.lora)
-    bf16 = torch_dtype(recipe.model, dist.device.type) == torch.bfloat16
-    engine, scheduler = make_engine(
-        model,
-        lr=sft.learning_rate,
-        weight_decay=sft.weight_decay,
-        lr_lambda=schedule(sft.warmup_steps, sft.steps, sft.schedule, sft.min_lr_ratio),
-        zero_stage=trainer.zero_stage,
-        grad_clip=sft.grad_clip,
-        bf16=bf16,
-    )
-    export = HFExporter(engine, tokenizer, dist, trainer.zero_stage)
-
-    start_step = 0
-    end_step = sft.steps  # earlier when a resumed run had already stopped at sft.stop_at_accuracy
-    if dist.is_main:
-        remove_leftovers(run_dir)
-    if resume:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is not None:
-            state = load_checkpoint(engine, checkpoint)
-            start_step = int(state["step"])
-            if state.get("stopped_early"):
-                end_step = start_step
-            say(f"resumed from {checkpoint} at step {start_step}")
-        else:
-            say("no complete checkpoint to resume from; starting at step 0")
-    say(f"trainer ready: world {dist.world_size}, ZeRO-{trainer.zero_stage}, {sft.micro_batching} micro-batching "
-        f"({layout_kind}), device {dist.device}, start-up {time.perf_counter() - started:.1f}s")
-
-    def evaluate(step: int) -> float:
-        t0 = time.perf_counter()
-        module = engine.module
-        loss = eval_loss(module, data.eval, dist, sft.max_tokens_per_microbatch, tokenizer.pad_token_id)
-        accuracy = eval_accuracy(
-            module, tokenizer, data.eval_items, data.scorer, data.max_new_tokens, dist, synced=trainer.zero_stage == 3
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        self.run_dir = run_dir
+        self.recipe = recipe = load_recipe(run_dir)
+        self.sft, self.trainer = recipe.sft, recipe.trainer
+        if self.sft is None:
+            raise SystemExit("recipe has no [sft] section")
+        if recipe.model.lora is not None and self.trainer.zero_stage == 3:
+            raise SystemExit("LoRA with ZeRO-3 is not supported; use trainer.zero_stage <= 2")
+        self.dist = init_distributed(self.trainer.device)
+        self.events = open_events(run_dir, self.dist)
+        if self.events:
+            self.events.log(0, {"progress/total_steps": self.sft.steps})
+        self.started = time.perf_counter()
+        self._load_data()
+        self._build_engine()
+        if self.dist.is_main:
+            remove_leftovers(run_dir)
+        # end_step is earlier than sft.steps when a resumed run had already stopped at sft.stop_at_accuracy
+        self.start_step, self.end_step = self._restore() if resume else (0, self.sft.steps)
+        self.say(
+            f"trainer ready: world {self.dist.world_size}, ZeRO-{self.trainer.zero_stage}, {self.sft.micro_batching} "
+            f"micro-batching ({self.layout_kind}), device {self.dist.device}, start-up {time.perf_counter() - self.started:.1f}s"
         )
-        if events:
-            events.log(step, {"eval/loss": loss, "eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0})
-        say(f"step {step}: eval loss {loss:.4f} accuracy {accuracy:.4f}")
+
+    def say(self, msg: str) -> None:
+        say(self.dist, msg)
+
+    def _load_data(self) -> None:
+        from backends.data.sft import build_sft_data, load_source
+        from backends.models.loading import load_tokenizer_for
+        from backends.train.engine import all_gather_list
+
+        recipe, dist = self.recipe, self.dist
+        source = load_source(recipe.data, recipe.seed)
+        self.tokenizer = load_tokenizer_for(recipe.model, source.alphabet())
+        shard = (dist.rank, dist.world_size)
+        self.data = data = build_sft_data(source, self.tokenizer, recipe.data, shard=shard, gather=all_gather_list)
+        self.say(f"data: {len(data.train)} train / {len(data.eval)} eval sequences ({data.dropped} dropped) "
+                 f"in {time.perf_counter() - self.started:.1f}s")  # fmt: skip
+
+    def _build_engine(self) -> None:
+        from backends.models.loading import load_model, torch_dtype
+        from backends.models.lora import apply_lora
+        from backends.train.engine import make_engine
+        from backends.train.schedule import schedule
+
+        recipe, sft = self.recipe, self.sft
+        torch.manual_seed(recipe.seed)
+        model = load_model(recipe.model, self.tokenizer, recipe.seed)
+        self.layout_kind = packed_layout_kind(model)
+        if recipe.model.lora is not None:
+            model = apply_lora(model, recipe.model.lora)
+        self.engine, self.scheduler = make_engine(
+            model,
+            lr=sft.learning_rate,
+            weight_decay=sft.weight_decay,
+            lr_lambda=schedule(sft.warmup_steps, sft.steps, sft.schedule, sft.min_lr_ratio),
+            zero_stage=self.trainer.zero_stage,
+            grad_clip=sft.grad_clip,
+            bf16=torch_dtype(recipe.model, self.dist.device.type) == torch.bfloat16,
+        )
+        self.export = HFExporter(self.engine, self.tokenizer, self.dist, self.trainer.zero_stage)
+
+    def _restore(self) -> tuple[int, int]:
+        """(start step, end step) from the newest complete checkpoint, or from scratch without one."""
+        from backends.train.checkpoint import load_checkpoint
+
+        checkpoint = RunDir(self.run_dir).latest_checkpoint()
+        if checkpoint is None:
+            self.say("no complete checkpoint to resume from; starting at step 0")
+            return 0, self.sft.steps
+        state = load_checkpoint(self.engine, checkpoint)
+        start = int(state["step"])
+        self.say(f"resumed from {checkpoint} at step {start}")
+        return start, start if state.get("stopped_early") else self.sft.steps
+
+    # ----------------------------------------------------------------------------- one step
+    def train_step(self, step: int):
+        """One optimizer step on the global batch of ``step``; returns its lr, layout and lengths."""
+        from backends.data.sft import batch_indices
+        from backends.train.engine import train_step as optimizer_step
+        from backends.train.microbatch import rank_micro_batches
+
+        train, dist = self.data.train, self.dist
+        batch = [train[i] for i in batch_indices(self.recipe.seed, step, self.sft.batch_size, len(train))]
+        lengths = [len(ex) for ex in batch]
+        layout = step_layout(lengths, self.recipe, dist.world_size, self.layout_kind)
+        micro_batches = rank_micro_batches(batch, layout, dist.rank, self.tokenizer.pad_token_id)
+        loss_tokens = sum(ex.loss_tokens for ex in batch)
+        lr = self.scheduler.get_last_lr()[0]
+        self.window.add(optimizer_step(self.engine, micro_batches, loss_tokens, dist.world_size), loss_tokens, lengths, layout)
+        return lr, layout, lengths
+
+    def log_window(self, done: int, lr: float, layout, lengths: list[int]) -> None:
+        """Train metrics over the steps since the last log line (the layout figures: the last step's)."""
+        from backends.train.engine import all_reduce_sum, grad_norm
+
+        window, sft = self.window, self.sft
+        (nll,) = all_reduce_sum([window.nll], self.dist.device)
+        elapsed = time.perf_counter() - window.started
+        metrics = {
+            "train/loss": nll / max(1, window.loss_tokens),
+            "train/lr": lr,
+            "train/tokens_per_s": window.real_tokens / elapsed,
+            "train/grad_norm": grad_norm(self.engine),
+            "train/num_microbatches": layout.num_microbatches,
+            "train/padding_microbatches": layout.padding_microbatches(),
+            "train/packing_efficiency": window.efficiency / window.steps,
+            "train/rank_imbalance": layout.rank_imbalance(lengths),
+            "train/epoch": done * sft.batch_size / len(self.data.train),
+        }
+        if self.events:
+            self.events.log(done, metrics)
+        self.say(f"step {done}/{sft.steps}: loss {metrics['train/loss']:.4f} lr {lr:.2e} "
+                 f"tokens/s {metrics['train/tokens_per_s']:,.0f}")  # fmt: skip
+        window.reset()
+
+    def evaluate(self, step: int) -> float:
+        from backends.train.evaluate import eval_accuracy, eval_loss
+
+        t0 = time.perf_counter()
+        module, data, tokenizer = self.engine.module, self.data, self.tokenizer
+        loss = eval_loss(module, data.eval, self.dist, self.sft.max_tokens_per_microbatch, tokenizer.pad_token_id)
+        accuracy = eval_accuracy(
+            module, tokenizer, data.eval_items, data.scorer, data.max_new_tokens, self.dist,
+            synced=self.trainer.zero_stage == 3,
+        )  # fmt: skip
+        if self.events:
+            self.events.log(step, {"eval/loss": loss, "eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0})
+        self.say(f"step {step}: eval loss {loss:.4f} accuracy {accuracy:.4f}")
         return accuracy
 
-    def checkpoint(step: int, **extra) -> None:
+    def checkpoint(self, step: int, **extra) -> None:
+        from backends.train.checkpoint import save_checkpoint
+
         t0 = time.perf_counter()
-        state = {"seed": recipe.seed, "samples": step * sft.batch_size, **extra}
-        save_checkpoint(engine, run_dir, step, state, export, sft.keep_last)
-        if events:
-            events.log(step, {"timing/checkpoint_s": time.perf_counter() - t0})
+        state = {"seed": self.recipe.seed, "samples": step * self.sft.batch_size, **extra}
+        save_checkpoint(self.engine, self.run_dir, step, state, self.export, self.sft.keep_last)
+        if self.events:
+            self.events.log(step, {"timing/checkpoint_s": time.perf_counter() - t0})
 
-    window = Window()
-    pad_id = tokenizer.pad_token_id
-    n_train = len(data.train)
-    for step in range(start_step, end_step):
-        batch = [data.train[i] for i in batch_indices(recipe.seed, step, sft.batch_size, n_train)]
-        lengths = [len(ex) for ex in batch]
-        layout = step_layout(lengths, recipe, dist.world_size, layout_kind)
-        micro_batches = rank_micro_batches(batch, layout, dist.rank, pad_id)
-        loss_tokens = sum(ex.loss_tokens for ex in batch)
-        lr = scheduler.get_last_lr()[0]
-        window.nll += train_step(engine, micro_batches, loss_tokens, dist.world_size)
-        window.loss_tokens += loss_tokens
-        window.real_tokens += sum(lengths)
-        window.efficiency += layout.packing_efficiency(lengths)
-        window.steps += 1
-        done = step + 1
+    def _stops_early(self, done: int, accuracy: float) -> bool:
+        """Whether held-out accuracy reached sft.stop_at_accuracy before the last step; if so, says so
+        and writes the checkpoint that marks the run as stopped."""
+        target = self.sft.stop_at_accuracy
+        if target is None or accuracy < target or done >= self.sft.steps:
+            return False
+        self.say(f"step {done}: held-out accuracy {accuracy:.4f} reached sft.stop_at_accuracy = {target}; stopping")
+        if self.events:
+            self.events.log(done, {"progress/stopped_early": 1.0})
+        self.checkpoint(done, stopped_early=True)
+        return True
 
-        if done % recipe.logging.log_every == 0 or done == sft.steps:
-            (nll,) = all_reduce_sum([window.nll], dist.device)
-            elapsed = time.perf_counter() - window.started
-            metrics = {
-                "train/loss": nll / max(1, window.loss_tokens),
-                "train/lr": lr,
-                "train/tokens_per_s": window.real_tokens / elapsed,
-                "train/grad_norm": grad_norm(engine),
-                "train/num_microbatches": layout.num_microbatches,
-                "train/padding_microbatches": layout.padding_microbatches(),
-                "train/packing_efficiency": window.efficiency / window.steps,
-                "train/rank_imbalance": layout.rank_imbalance(lengths),
-                "train/epoch": done * sft.batch_size / n_train,
-            }
-            if events:
-                events.log(done, metrics)
-            say(f"step {done}/{sft.steps}: loss {metrics['train/loss']:.4f} lr {lr:.2e} "
-                f"tokens/s {metrics['train/tokens_per_s']:,.0f}")
-            window.reset()
+    def run_step(self, step: int) -> bool:
+        """Train, log, evaluate and checkpoint as the recipe says for ``step``; False once stopped early."""
+        sft, done = self.sft, step + 1
+        lr, layout, lengths = self.train_step(step)
+        if done % self.recipe.logging.log_every == 0 or done == sft.steps:
+            self.log_window(done, lr, layout, lengths)
         if (sft.eval_every and done % sft.eval_every == 0) or done == sft.steps:
-            accuracy = evaluate(done)
-            window.started = time.perf_counter()  # eval time is not training throughput
-            if sft.stop_at_accuracy is not None and accuracy >= sft.stop_at_accuracy and done < sft.steps:
-                say(f"step {done}: held-out accuracy {accuracy:.4f} reached sft.stop_at_accuracy = {sft.stop_at_accuracy}; stopping")
-                if events:
-                    events.log(done, {"progress/stopped_early": 1.0})
-                checkpoint(done, stopped_early=True)
-                break
+            accuracy = self.evaluate(done)
+            self.window.started = time.perf_counter()  # eval time is not training throughput
+            if self._stops_early(done, accuracy):
+                return False
         if (sft.save_every and done % sft.save_every == 0) or done == sft.steps:
-            checkpoint(done)
-            window.started = time.perf_counter()
+            self.checkpoint(done)
+            self.window.started = time.perf_counter()
+        return True
 
-    # The final model: the last step's weights, published atomically like a checkpoint.
-    tmp = run_dir / FINAL_TMP
-    export(tmp)
-    if dist.is_main:
-        publish_dir(tmp, run_dir / "final")
-        say(f"final model: {run_dir / 'final'} ({time.perf_counter() - started:.1f}s in total)")
-    if events:
-        events.close()
+    # ----------------------------------------------------------------------------- the loop
+    def publish_final(self) -> None:
+        """The last step's weights as final/, published atomically like a checkpoint."""
+        paths = RunDir(self.run_dir)
+        self.export(paths.final_tmp)
+        if self.dist.is_main:
+            publish_dir(paths.final_tmp, paths.final)
+            self.say(f"final model: {paths.final} ({time.perf_counter() - self.started:.1f}s in total)")
+
+    def run(self) -> None:
+        self.window = Window()
+        for step in range(self.start_step, self.end_step):
+            if not self.run_step(step):
+                break
+        self.publish_final()
+        if self.events:
+            self.events.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args = parser.parse_args(argv)
-    train(args.run_dir.resolve(), args.resume)
+    SFTTrainer(args.run_dir.resolve(), args.resume).run()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -21,7 +21,7 @@ Options, as Typer ``Annotated`` types to put in a command's signature::
         plan = build_plan(recipe_obj, "sft", directory, machine=machine)  # the same machine facts
         if dry_run:
             common.print_plan(plan, json_); return
-        prepare_run_dir(directory, recipe_obj, plan, resume=resume, overwrite=overwrite)  # skyrl_cli.rundir
+        RunDir(directory).prepare(recipe_obj, plan, resume=resume, overwrite=overwrite)  # skyrl_cli.rundir
         sinks = common.output_sinks(common.output_mode(quiet, json_), recipe_obj, directory, title="sft")
         with FollowedRun(directory, sinks) as run:                   # skyrl_cli.metrics.follow
             supervisor.wait_job("trainer", on_tick=run.poll)
@@ -70,11 +70,11 @@ def load_for_run(
     check that it has the section of the stage the command runs (``"sft"`` or ``"rl"``; other
     stages and ``None`` check nothing). The layout is checked against ``machine`` (give the one
     the plan is built for), else this host with ``gpu_count`` GPUs (``None``: the visible ones)."""
-    from skyrl_cli.recipe.loader import load_recipe
+    from skyrl_cli.plan.feasibility import load_feasible_recipe
     from skyrl_cli.recipe.registry import resolve_recipe_arg
 
     path = resolve_recipe_arg(recipe)
-    loaded = load_recipe(path, sets or (), gpu_count=gpu_count, machine=machine)
+    loaded = load_feasible_recipe(path, sets or (), gpu_count=gpu_count, machine=machine)
     if stage in ("sft", "rl") and getattr(loaded, stage) is None:
         raise UsageError(f"recipe {path} has no [{stage}] section")
     return loaded

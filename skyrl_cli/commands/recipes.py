@@ -12,69 +12,70 @@ import typer
 from skyrl_cli.commands import common
 
 
+def ls() -> None:
+    """List the built-in recipes: stages, hardware, time and expected result."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from skyrl_cli.recipe.registry import builtin_recipes
+
+    table = Table(title="built-in recipes (skyrl recipes show NAME)")
+    for column in ("name", "stages", "hardware", "time", "expected"):
+        table.add_column(column, overflow="fold")
+    for recipe in builtin_recipes():
+        table.add_row(recipe.name, " + ".join(recipe.stages), recipe.hardware, recipe.time, recipe.expected)
+    Console().print(table)
+
+
+def show(name: Annotated[str, typer.Argument(help="Built-in recipe name.")]) -> None:
+    """Print a built-in recipe's TOML."""
+    from skyrl_cli.recipe.registry import builtin_path
+
+    typer.echo(builtin_path(name).read_text(encoding="utf-8"), nl=False)
+
+
+def cp(
+    name: Annotated[str, typer.Argument(help="Built-in recipe name.")],
+    dest: Annotated[Path, typer.Argument(help="Destination file (or directory).")],
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Copy a built-in recipe to DEST to edit it (with its folder of data and code, if it has one)."""
+    typer.echo(copy_recipe(name, dest, force))
+
+
+def validate(
+    files: Annotated[list[str], typer.Argument(help="Recipe files (or built-in names).")],
+    set_: common.SetOpt = None,
+    gpus: common.GpusOpt = None,
+) -> None:
+    """Check recipes and report every problem at once as file:line: key.path: message (exit 2)."""
+    from skyrl_cli.errors import RecipeError, UsageError
+
+    problems: list[str] = []
+    for file in files:
+        try:
+            common.load_for_run(file, set_, stage=None, gpu_count=gpus)
+        except RecipeError as err:
+            problems += err.problems
+        except UsageError as err:
+            problems.append(str(err))
+        else:
+            typer.echo(f"ok: {file}")
+    if problems:
+        raise RecipeError(problems)
+
+
+def schema() -> None:
+    """Print the JSON Schema of a recipe (for editor completion of TOML files)."""
+    from skyrl_cli.recipe.schema import Recipe
+
+    typer.echo(json.dumps(Recipe.model_json_schema(by_alias=True), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     sub = typer.Typer(help="Built-in recipes, recipe validation and the recipe JSON Schema.", no_args_is_help=True)
-
-    @sub.command("ls")
-    def ls() -> None:
-        """List the built-in recipes: stages, hardware, time and expected result."""
-        from rich.console import Console
-        from rich.table import Table
-
-        from skyrl_cli.recipe.registry import builtin_recipes
-
-        table = Table(title="built-in recipes (skyrl recipes show NAME)")
-        for column in ("name", "stages", "hardware", "time", "expected"):
-            table.add_column(column, overflow="fold")
-        for recipe in builtin_recipes():
-            table.add_row(recipe.name, " + ".join(recipe.stages), recipe.hardware, recipe.time, recipe.expected)
-        Console().print(table)
-
-    @sub.command("show")
-    def show(name: Annotated[str, typer.Argument(help="Built-in recipe name.")]) -> None:
-        """Print a built-in recipe's TOML."""
-        from skyrl_cli.recipe.registry import builtin_path
-
-        typer.echo(builtin_path(name).read_text(encoding="utf-8"), nl=False)
-
-    @sub.command("cp")
-    def cp(
-        name: Annotated[str, typer.Argument(help="Built-in recipe name.")],
-        dest: Annotated[Path, typer.Argument(help="Destination file (or directory).")],
-        force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing file.")] = False,
-    ) -> None:
-        """Copy a built-in recipe to DEST to edit it (with its folder of data and code, if it has one)."""
-        typer.echo(copy_recipe(name, dest, force))
-
-    @sub.command("validate")
-    def validate(
-        files: Annotated[list[str], typer.Argument(help="Recipe files (or built-in names).")],
-        set_: common.SetOpt = None,
-        gpus: common.GpusOpt = None,
-    ) -> None:
-        """Check recipes and report every problem at once as file:line: key.path: message (exit 2)."""
-        from skyrl_cli.errors import RecipeError, UsageError
-
-        problems: list[str] = []
-        for file in files:
-            try:
-                common.load_for_run(file, set_, stage=None, gpu_count=gpus)
-            except RecipeError as err:
-                problems += err.problems
-            except UsageError as err:
-                problems.append(str(err))
-            else:
-                typer.echo(f"ok: {file}")
-        if problems:
-            raise RecipeError(problems)
-
-    @sub.command("schema")
-    def schema() -> None:
-        """Print the JSON Schema of a recipe (for editor completion of TOML files)."""
-        from skyrl_cli.recipe.schema import Recipe
-
-        typer.echo(json.dumps(Recipe.model_json_schema(by_alias=True), indent=2))
-
+    for name, command in (("ls", ls), ("show", show), ("cp", cp), ("validate", validate), ("schema", schema)):
+        sub.command(name)(command)
     app.add_typer(sub, name="recipes")
 
 

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from skyrl_cli.commands import common
+from skyrl_cli.rundir import CHECKPOINT_MODEL, RunDir
 
 AsyncOpt = Annotated[
     bool, typer.Option("--async", help="Fully-async RL: generation runs ahead of training up to rl.async.max_staleness versions.")
@@ -79,17 +80,17 @@ def ensure_initial_policy(recipe, mode) -> None:
     )  # fmt: skip
 
 
-def clear_exchange(directory: Path) -> None:
+def clear_exchange(run_dir: RunDir) -> None:
     """Batches, stop requests and the LATEST pointer belong to the processes of one launch: a
     resumed learner republishes the policy it restarts from, and nothing stale may be read first."""
     from skyrl_cli.atomic import remove_leftovers
 
-    for sub in ("batches", "control"):
-        shutil.rmtree(directory / sub, ignore_errors=True)
-    for name in ("LATEST", "current.json"):  # engines start on the initial policy, labelled 0
-        (directory / "weights" / name).unlink(missing_ok=True)
+    for folder in (run_dir.batches, run_dir.control):
+        shutil.rmtree(folder, ignore_errors=True)
+    for pointer in (run_dir.latest_weights, run_dir.current_weights):  # engines start on v0
+        pointer.unlink(missing_ok=True)
     # A killed learner's half-written version (a whole model copy); nothing else writes here yet.
-    remove_leftovers(directory / "weights")
+    remove_leftovers(run_dir.weights)
 
 
 def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool) -> dict:
@@ -98,28 +99,26 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.metrics.events import EventWriter
     from skyrl_cli.metrics.follow import FollowedRun
-    from skyrl_cli.rundir import prepare_run_dir
-
-    prepare_run_dir(directory, recipe, plan, resume=resume, overwrite=overwrite)
-    clear_exchange(directory)
+    run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
+    clear_exchange(run_dir)
     sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
     engines = [p for p in plan.processes if p.role == "engine"]
     (router,) = [p for p in plan.processes if p.role == "router"]
     started = time.monotonic()
     with reported("rl", directory) as progress, Supervisor(directory) as supervisor, \
-            EventWriter(directory / "events.jsonl", "inference") as writer:  # fmt: skip
+            EventWriter(run_dir.events, "inference") as writer:  # fmt: skip
         progress.phase = "engine start-up"
         stack = launch_inference(
             supervisor, engines, router, plan.engine_urls, plan.router_url, directory,
-            writer=writer, step_fn=lambda: latest_version(directory),
+            writer=writer, step_fn=lambda: run_dir.latest_weights_version() or 0,
         )  # fmt: skip
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
-            extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(directory / "final")}
+            extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(run_dir.final)}
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
                 run_jobs(supervisor, plan, router.name, run, progress)
                 progress.phase = "publishing the final model"
-                publish_final_model(directory)
-                run.summary_extra.update(initial_and_final_accuracy(directory))
+                publish_final_model(run_dir)
+                run.summary_extra.update(initial_and_final_accuracy(run_dir))
                 run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
         finally:
             stack.stop()
@@ -144,38 +143,29 @@ def run_jobs(supervisor, plan, router_name: str, run, progress) -> None:
             raise LaunchError(failure_message(f"the {spec.name} failed (exit code {code})", proc.log_path, 25))
 
 
-def latest_version(directory: Path) -> int:
-    try:
-        return int((directory / "weights" / "LATEST").read_text())
-    except (OSError, ValueError):
-        return 0
-
-
-def publish_final_model(directory: Path) -> None:
+def publish_final_model(run_dir: RunDir) -> None:
     """``final/``: the newest checkpoint's HF model (the learner checkpoints its last step).
 
     Built next to it and published whole, so a crash here keeps the previous ``final/``."""
     from skyrl_cli.atomic import publish_dir
-    from skyrl_cli.rundir import FINAL_TMP, latest_checkpoint
 
-    newest = latest_checkpoint(directory)
+    newest = run_dir.latest_checkpoint()
     if newest is None:
         return
-    tmp = directory / FINAL_TMP
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(newest / "model", tmp)
-    publish_dir(tmp, directory / "final")
+    shutil.rmtree(run_dir.final_tmp, ignore_errors=True)
+    shutil.copytree(newest / CHECKPOINT_MODEL, run_dir.final_tmp)
+    publish_dir(run_dir.final_tmp, run_dir.final)
 
 
-def initial_and_final_accuracy(directory: Path) -> dict:
-    import json
-
+def initial_and_final_accuracy(run_dir: RunDir) -> dict:
     from skyrl_cli.metrics.events import iter_events
 
-    accuracy = [e for e in iter_events(directory / "events.jsonl") if e.name == "eval/accuracy"]
+    accuracy = [e for e in iter_events(run_dir.events) if e.name == "eval/accuracy"]
     if not accuracy:
         return {}
-    initial = json.loads((directory / "eval_initial.json").read_text())["accuracy"] if (directory / "eval_initial.json").exists() else accuracy[0].value
+    initial = run_dir.initial_accuracy()
+    if initial is None:  # a run that evaluated its initial policy before eval_initial.json existed
+        initial = accuracy[0].value
     final = max(accuracy, key=lambda e: (e.step, e.time)).value
     return {"eval_accuracy_initial": initial, "eval_accuracy_final": final, "eval_accuracy_gain": final - initial}
 
@@ -190,4 +180,4 @@ def final_line(summary: dict, directory: Path) -> str:
             parts.append(f"{figure['mean']:,.0f} {label}")
     if "wall_s" in summary:
         parts.append(f"{summary['wall_s']:.0f} s")
-    return f"rl done: {', '.join(parts)}; model: {directory / 'final'}"
+    return f"rl done: {', '.join(parts)}; model: {RunDir(directory).final}"

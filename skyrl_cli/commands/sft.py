@@ -50,15 +50,15 @@ def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool, int
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor, failure_message
     from skyrl_cli.metrics.follow import FollowedRun
-    from skyrl_cli.rundir import prepare_run_dir
+    from skyrl_cli.rundir import RunDir
 
-    prepare_run_dir(directory, recipe, plan, resume=resume, overwrite=overwrite)
+    run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
     sinks = common.output_sinks(mode, recipe, directory, title="sft")
     (spec,) = plan.processes
     started = time.monotonic()
     with reported("sft", directory, **(interrupt_hints or {})), Supervisor(directory) as supervisor:
         proc = supervisor.start(spec)
-        extra = {"stage": "sft", "final_model": str(directory / "final")}
+        extra = {"stage": "sft", "final_model": str(run_dir.final)}
         with FollowedRun(directory, sinks, summary_extra=extra) as run:
             code = supervisor.wait_job(spec.name, on_tick=run.poll)
             run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)

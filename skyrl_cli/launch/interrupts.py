@@ -152,7 +152,9 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
     from skyrl_cli.atomic import write_json
     from skyrl_cli.metrics.summary import write_summary
 
-    path = run_dir / "summary.json"
+    from skyrl_cli.rundir import RunDir
+
+    path = RunDir(run_dir).summary
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -165,12 +167,12 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
 
 
 def interruption_error(stage: str, run_dir: Path, signum: int, progress: StageProgress, started: float, **hints) -> RunInterrupted:
-    from skyrl_cli.rundir import latest_checkpoint
+    from skyrl_cli.rundir import RunDir
 
     signame = signal_name(signum)
     summary = mark_summary(Path(run_dir), stage, signame, started)
     step = int(summary.get("steps") or 0)
-    message = interruption_message(stage, signame, step, progress.phase, latest_checkpoint(run_dir), **hints)
+    message = interruption_message(stage, signame, step, progress.phase, RunDir(run_dir).latest_checkpoint(), **hints)
     return RunInterrupted(message, exit_code=128 + signum)
 
 

@@ -39,6 +39,7 @@ from skyrl_cli.errors import LaunchError
 from skyrl_cli.launch.interrupts import deferred, stop_signals_raise
 from skyrl_cli.launch.op_builds import clear_locks_since, clear_stale_locks
 from skyrl_cli.plan.model import ProcessSpec
+from skyrl_cli.rundir import RunDir
 
 TERM_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
@@ -133,7 +134,8 @@ class Supervisor:
 
     def __init__(self, run_dir: str | os.PathLike, base_env: dict[str, str] | None = None):
         self.run_dir = Path(run_dir)
-        self.logs_dir = self.run_dir / "logs"
+        self.paths = RunDir(self.run_dir)
+        self.logs_dir = self.paths.logs
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.processes: dict[str, ManagedProcess] = {}
@@ -170,7 +172,7 @@ class Supervisor:
                 raise LaunchError(f"not starting {spec.name}: the run is shutting down")
             if spec.name in self.processes and self.processes[spec.name].returncode is None:
                 raise LaunchError(f"process {spec.name!r} is already running")
-            log_path = self.logs_dir / f"{spec.name}.log"
+            log_path = self.paths.log(spec.name)
             log = open(log_path, "ab", buffering=0)
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode())
             env = {**self.base_env, **spec.env}

@@ -18,13 +18,14 @@ from typing import Any, Callable, Mapping
 from skyrl_cli.metrics.events import read_events
 from skyrl_cli.metrics.sinks import Sink, SinkGroup
 from skyrl_cli.metrics.summary import write_summary
+from skyrl_cli.rundir import RunDir
 
 
 class EventFollower:
     """Reads new complete lines of ``events.jsonl`` on every ``poll()`` and hands them to a sink."""
 
     def __init__(self, run_dir: str | os.PathLike, sink: Sink):
-        self.path = Path(run_dir) / "events.jsonl"
+        self.path = RunDir(run_dir).events
         self.sink = sink if isinstance(sink, SinkGroup) else SinkGroup([sink])
         self.offset = 0
 

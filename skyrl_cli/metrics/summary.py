@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from skyrl_cli.atomic import write_json
 from skyrl_cli.metrics.events import MetricEvent, iter_events, last_values
+from skyrl_cli.rundir import RunDir
 
 
 def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:
@@ -37,9 +37,9 @@ def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:
 
 def write_summary(run_dir: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write ``run_dir/summary.json`` atomically and return it."""
-    run_dir = Path(run_dir)
-    summary = {**summarize(iter_events(run_dir / "events.jsonl")), **(extra or {})}
-    write_json(run_dir / "summary.json", summary)
+    paths = RunDir(run_dir)
+    summary = {**summarize(iter_events(paths.events)), **(extra or {})}
+    write_json(paths.summary, summary)
     return summary
 
 

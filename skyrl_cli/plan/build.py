@@ -14,7 +14,7 @@ from skyrl_cli.errors import UsageError
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
-from skyrl_cli.recipe.feasibility import assert_feasible
+from skyrl_cli.plan.feasibility import assert_feasible
 from skyrl_cli.recipe.schema import Recipe
 
 # (recipe, run_dir, resume, async_mode, machine, recipe_dir) -> plan. ``recipe_dir``: the recipe
@@ -61,7 +61,7 @@ def build_plan(
 ) -> LaunchPlan:
     """The launch plan of ``stage``; ``machine`` defaults to this host's detected facts.
     ``recipe_dir``: the recipe file's directory (user code is imported from there first). A recipe
-    this machine cannot run raises ``UsageError`` (``skyrl_cli.recipe.feasibility``)."""
+    this machine cannot run raises ``UsageError`` (``skyrl_cli.plan.feasibility``)."""
     if stage not in STAGE_PLANNERS:
         raise UsageError(f"no planner for stage {stage!r}")
     if machine is None:

@@ -150,7 +150,7 @@ def engine_argv(recipe: Recipe, machine: Machine, port: int, model_dir: str, ind
 
 def vllm_lora_rank(rank: int) -> int:
     """The smallest rank vLLM accepts that holds an adapter of ``rank`` (larger ones are refused
-    when the recipe is loaded: ``skyrl_cli.recipe.feasibility``)."""
+    when the recipe is loaded: ``skyrl_cli.plan.feasibility``)."""
     fits = [allowed for allowed in VLLM_LORA_RANKS if allowed >= rank]
     assert fits, f"model.lora.rank = {rank} above {VLLM_LORA_RANKS[-1]} got past validation"
     return fits[0]
@@ -181,7 +181,7 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
 
 def engine_specs(recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str) -> list[ProcessSpec]:
     """One ProcessSpec per local engine (``recipe.inference.engines`` of them). The devices fit:
-    ``skyrl_cli.recipe.feasibility`` checked them when the recipe was loaded."""
+    ``skyrl_cli.plan.feasibility`` checked them when the recipe was loaded."""
     # A loaded recipe passes through unchanged; one built in code (tests, benchmarks) gets the
     # length defaults the loader would have given it.
     recipe = with_model_lengths(recipe)

@@ -36,7 +36,7 @@ class ProcessSpec(Frozen):
 
 
 class LaunchPlan(Frozen):
-    stage: Literal["sft", "rl", "quantize", "tinker", "bench"]
+    stage: Literal["sft", "rl"]  # a stage is listed here once it has a planner (plan.build.STAGE_PLANNERS)
     run_dir: str
     device: Literal["cpu", "cuda"]
     resume: bool = False

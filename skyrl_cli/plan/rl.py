@@ -6,7 +6,7 @@ plan only has to give both the same run directory, the initial policy and the UR
 
 Devices. On GPUs the trainer takes ``trainer.gpus`` (default: the first ``trainer.ranks`` GPUs) and
 the engines the GPUs after them (``tensor_parallel`` each); a layout the machine cannot hold never
-gets here (``skyrl_cli.recipe.feasibility`` refuses it when the recipe is loaded). On CPU the engines are bound one core each (round robin) and the trainer ranks share
+gets here (``skyrl_cli.plan.feasibility`` refuses it when the recipe is loaded). On CPU the engines are bound one core each (round robin) and the trainer ranks share
 all cores: on a 2-core machine generation and training then compete for the cores, which is why the
 async mode's gain shows in its benchmark with a fixed-time trainer, not on the quickstart's clock.
 """
@@ -45,7 +45,7 @@ def inference_machine(recipe: Recipe, machine: MachineFacts, device: str) -> Mac
 
 
 def orchestrator_spec(
-    run_dir: Path, init_from: Path, router_url: str, engine_urls: list[str], machine: MachineFacts, async_mode: bool, resume: bool,
+    run_dir: Path, init_from: Path, router_url: str, engine_urls: list[str], machine: MachineFacts, async_mode: bool,
     recipe_dir: Path | None = None,
 ) -> ProcessSpec:
     """``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
@@ -60,8 +60,6 @@ def orchestrator_spec(
     ]  # fmt: skip
     if async_mode:
         argv.append("--async")
-    if resume:
-        argv.append("--resume")
     if recipe_dir is not None:
         argv += ["--import-path", str(recipe_dir)]
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -87,7 +85,7 @@ def plan_rl(
         recipe, run_dir, machine, module=LEARNER_MODULE, resume=resume,
         resources=trainer_resources(recipe, machine), port=rdzv_port, extra_args=("--init-from", str(init_from)),
     )  # fmt: skip
-    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, resume, recipe_dir)
+    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir)
     return LaunchPlan(
         stage="rl",
         run_dir=str(run_dir),

@@ -57,7 +57,7 @@ def trainer_gpus(recipe: Recipe, machine: MachineFacts) -> tuple[int, ...]:
 
 def trainer_resources(recipe: Recipe, machine: MachineFacts, cores: Sequence[int] | None = None) -> TrainerResources:
     """Devices and threads of the trainer; ``cores`` restricts it to part of the CPU (the RL stage
-    gives the rest to the engines). The layout fits the machine: ``skyrl_cli.recipe.feasibility``
+    gives the rest to the engines). The layout fits the machine: ``skyrl_cli.plan.feasibility``
     checked it (``build_plan`` asserts it)."""
     trainer = recipe.trainer
     device = trainer_device(recipe, machine)

@@ -4,7 +4,11 @@ Every problem is reported at once as one line ``file:line: key.path: message`` (
 a value that came from an override), raised as ``RecipeError`` (exit code 2). Paths in the returned
 recipe are absolute (resolved against the recipe file's directory).
 
-    recipe = load_recipe("recipes/quickstart.toml", sets=["sft.steps=10"], gpu_count=0)
+    recipe = load_recipe("recipes/quickstart.toml", sets=["sft.steps=10"], checks=[more_problems])
+
+``checks`` are run on the validated recipe with the others, so their problems come in the same
+list: ``skyrl_cli.plan.feasibility.load_feasible_recipe`` passes the machine checks that way
+(the recipe layer imports nothing from the plan layer).
 """
 
 from __future__ import annotations
@@ -13,13 +17,11 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
 from skyrl_cli.errors import RecipeError
-from skyrl_cli.plan.machine import MachineFacts, detect_machine
-from skyrl_cli.recipe.feasibility import feasibility_problems
 from skyrl_cli.recipe.keys import table_model, unknown_key_message
 from skyrl_cli.recipe.lengths import length_problems, with_model_lengths
 from skyrl_cli.recipe.locator import dotted, line_of, locate_keys
@@ -93,12 +95,10 @@ def _raise(lines: list[tuple[int, str]]) -> None:
 def load_recipe(
     path: str | os.PathLike,
     sets: Iterable[str] = (),
-    gpu_count: int | None = None,
-    machine: MachineFacts | None = None,
+    checks: Iterable[Callable[[Recipe], list[Problem]]] = (),
 ) -> Recipe:
-    """Load, override, validate and check a recipe file against ``machine`` (default: this host's
-    facts, with GPUs 0..``gpu_count``-1 when ``gpu_count`` is given). Lengths left to the model
-    come back concrete (``skyrl_cli.recipe.lengths``)."""
+    """Load, override and validate a recipe file, then run ``checks`` on it (problems reported
+    together). Lengths left to the model come back concrete (``skyrl_cli.recipe.lengths``)."""
     file = str(path)
     recipe_path = Path(path)
     if not recipe_path.is_file():
@@ -126,7 +126,8 @@ def load_recipe(
     problems += data_problems(recipe)
     problems += length_problems(recipe, base_dir)
     recipe = with_model_lengths(recipe, base_dir)
-    problems += feasibility_problems(recipe, machine if machine is not None else detect_machine(gpu_count))
+    for check in checks:
+        problems += check(recipe)
     if problems or early:
         _raise(early + [fmt(p) for p in problems])
     return with_absolute_paths(recipe, base_dir)

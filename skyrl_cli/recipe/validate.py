@@ -1,6 +1,6 @@
 """Checks beyond the schema: knobs accepted but not implemented yet, files that must exist, user
 code that must be findable, loss and data settings that cannot act. What a machine must offer
-(devices, batches over ranks, what vLLM serves) is ``skyrl_cli.recipe.feasibility``; lengths that
+(devices, batches over ranks, what vLLM serves) is ``skyrl_cli.plan.feasibility``; lengths that
 follow the model are ``skyrl_cli.recipe.lengths``.
 
 Each check returns ``Problem``s (a key path and a message); ``skyrl_cli.recipe.loader`` adds the

@@ -10,7 +10,7 @@ import pytest
 from skyrl_cli.commands import common
 from skyrl_cli.errors import RecipeError, UsageError
 from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import prepare_run_dir, sft_output_dir
+from skyrl_cli.rundir import RunDir, sft_output_dir
 
 from .conftest import REPO
 
@@ -56,7 +56,7 @@ def test_output_sinks_add_wandb_only_when_asked():
 
 def test_prepare_run_dir_writes_the_contract_files(tmp_path):
     recipe = common.load_for_run("quickstart", None, "sft", gpu_count=0)
-    run_dir = prepare_run_dir(tmp_path / "run", recipe, {"stage": "sft"})
+    run_dir = RunDir(tmp_path / "run").prepare(recipe, {"stage": "sft"}).root
     assert (run_dir / "logs").is_dir()
     assert Recipe.model_validate_json((run_dir / "recipe.resolved.json").read_text()) == recipe
     assert json.loads((run_dir / "plan.json").read_text()) == {"stage": "sft"}
@@ -65,12 +65,12 @@ def test_prepare_run_dir_writes_the_contract_files(tmp_path):
 
 def test_prepare_run_dir_refuses_a_used_directory(tmp_path):
     recipe = common.load_for_run("quickstart", None, "sft", gpu_count=0)
-    run_dir = prepare_run_dir(tmp_path, recipe)
+    run_dir = RunDir(tmp_path).prepare(recipe).root
     (run_dir / "events.jsonl").write_text("")
     (run_dir / "checkpoints" / "step-1").mkdir(parents=True)
     with pytest.raises(UsageError, match="already holds a run; pass --resume"):
-        prepare_run_dir(run_dir, recipe)
-    prepare_run_dir(run_dir, recipe, resume=True)
+        RunDir(run_dir).prepare(recipe)
+    RunDir(run_dir).prepare(recipe, resume=True)
     assert (run_dir / "checkpoints" / "step-1").exists()
-    prepare_run_dir(run_dir, recipe, overwrite=True)
+    RunDir(run_dir).prepare(recipe, overwrite=True)
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "events.jsonl").exists()

@@ -20,7 +20,6 @@ import pytest
 
 from skyrl_cli.errors import RunInterrupted
 from skyrl_cli.launch.interrupts import Interrupted, interruption_message, reported
-from skyrl_cli.rundir import complete_checkpoints, latest_checkpoint
 
 from .conftest import REPO
 
@@ -36,14 +35,6 @@ def make_run_dir(run_dir: Path, steps: tuple[int, ...] = (), partial: tuple[int,
         record = {"time": time.time(), "step": events_at, "process": "trainer", "name": "train/loss", "value": 0.5}
         (run_dir / "events.jsonl").write_text(json.dumps(record) + "\n")
     return run_dir
-
-
-def test_light_lister_counts_only_complete_checkpoints_in_numeric_order(tmp_path):
-    assert latest_checkpoint(tmp_path) is None
-    make_run_dir(tmp_path, steps=(4, 12), partial=(20,))
-    (tmp_path / "checkpoints" / ".tmp-step-16").mkdir()
-    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 12]
-    assert latest_checkpoint(tmp_path).name == "step-12"
 
 
 def test_message_names_step_phase_and_checkpoint(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free right now, chosen as the launch plan chooses them."""
-    from skyrl_cli.plan.machine import find_free_ports
+    from skyrl_cli.ports import find_free_ports
 
     return find_free_ports(n)
 

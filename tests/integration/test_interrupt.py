@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.rundir import latest_checkpoint
+from skyrl_cli.rundir import RunDir
 from tests.integration.cli_runs import ENV, SKYRL, events
 from tests.integration.conftest import wait_groups_gone
 
@@ -68,7 +68,7 @@ def children(pid: int) -> list[int]:
 def wait_for_training(driver: subprocess.Popen, run: Path, out: Path, timeout_s: float = 420) -> None:
     """Until the learner has logged a step and written a complete checkpoint."""
     deadline = time.monotonic() + timeout_s
-    while not (events(run, "train/policy_loss") and latest_checkpoint(run)):
+    while not (events(run, "train/policy_loss") and RunDir(run).latest_checkpoint()):
         assert driver.poll() is None, f"skyrl rl ended early ({driver.returncode}):\n{out.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "training did not start in time"
         time.sleep(0.5)
@@ -96,7 +96,7 @@ def test_sigint_during_rl_training_exits_130_with_the_checkpoint_and_no_process_
     last = text.strip().splitlines()[-1]
     match = re.fullmatch(r"rl interrupted \(SIGINT\) at step (\d+) during training; last complete checkpoint: (\S+) \(resume with --resume\)", last)
     assert match, last
-    assert Path(match.group(2)) == latest_checkpoint(run).relative_to(tmp_path)
+    assert Path(match.group(2)) == RunDir(run).latest_checkpoint().relative_to(tmp_path)
     assert int(match.group(1)) < 40 and "Traceback" not in text
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] is False and summary["interrupted"] == "SIGINT"

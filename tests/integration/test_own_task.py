@@ -6,7 +6,6 @@ recipes/own_task/reward.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -96,10 +96,10 @@ def test_resume_continues_from_the_checkpoint_on_the_engines(workdir):
     skyrl(workdir, "rl", "recipe.toml", "--run-dir", run, "--resume", "--quiet")
     trainer_log = (run / "logs/trainer.log").read_text()
     assert "at step 2" in trainer_log.split("resumed from")[-1].splitlines()[0]
-    orchestrator_log = (run / "logs/orchestrator.log").read_text().split("=== ")[-1]
-    # After the resume, the first thing the engines get is the checkpoint's policy (version 2).
-    versions = [int(line.split()[4]) for line in orchestrator_log.splitlines() if line.startswith("engines on policy version")]
-    assert versions[:2] == [2, 3], versions
+    # The first run loaded versions 1 and 2; after the resume, the first thing the engines get is
+    # the checkpoint's policy (version 2), then the next one.
+    versions = [int(v) for _, v in events(run, "weights/version")]
+    assert versions == [1, 2, 2, 3], versions
     steps = [s for s, _ in events(run, "train/policy_loss")]
     assert steps == [1, 2, 3]
 

@@ -166,11 +166,11 @@ def run_until_checkpoint_then_kill(recipe_path: Path, run_dir: Path, step: int) 
     ``step`` is complete (the trainer is then mid-run)."""
     from skyrl_cli.commands.common import load_for_run
     from skyrl_cli.plan.build import build_plan
-    from skyrl_cli.rundir import prepare_run_dir
+    from skyrl_cli.rundir import RunDir
 
     recipe = load_for_run(str(recipe_path), None, "sft", gpu_count=0)
     plan = build_plan(recipe, "sft", run_dir)
-    prepare_run_dir(run_dir, recipe, plan)
+    RunDir(run_dir).prepare(recipe, plan)
     (spec,) = plan.processes
     with open(run_dir / "logs" / "trainer.log", "ab") as log:
         proc = subprocess.Popen(spec.argv, env={**ENV, **spec.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

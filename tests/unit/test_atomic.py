@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from skyrl_cli import atomic
+from skyrl_cli.rundir import RunDir
 
 
 def _tree(path):
@@ -220,7 +221,7 @@ def test_rl_final_model_is_replaced_whole(tmp_path, monkeypatch):
     (run / "checkpoints" / "step-2" / "trainer_state.json").write_text("{}")
     calls = []
     _record_states(monkeypatch, run / "final", calls)
-    publish_final_model(run)
+    publish_final_model(RunDir(run))
     assert calls and all(state for _, state in calls)  # the old final/ stayed until the new one was in
     assert _tree(run / "final") == {"config.json": "new"}
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "final"]
@@ -232,5 +233,5 @@ def test_an_rl_launch_deletes_half_written_weight_versions(tmp_path):
     (tmp_path / "weights").mkdir()
     _built(tmp_path / "weights", ".tmp-v3-123-abcd", {"model.safetensors": "half"})
     _built(tmp_path / "weights", "v2", {"model.safetensors": "w"})
-    clear_exchange(tmp_path)
+    clear_exchange(RunDir(tmp_path))
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v2"]

@@ -8,8 +8,7 @@ import pytest
 from skyrl_cli.errors import RecipeError, UsageError
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
-from skyrl_cli.recipe.feasibility import assert_feasible, feasibility_problems
-from skyrl_cli.recipe.loader import load_recipe
+from skyrl_cli.plan.feasibility import assert_feasible, feasibility_problems, load_feasible_recipe
 from skyrl_cli.recipe.schema import Recipe
 
 NO_CORES = MachineFacts(cpu_cores=())
@@ -35,7 +34,7 @@ def test_no_cpu_cores_left(tmp_path):
     path = tmp_path / "r.toml"
     path.write_text('name = "t"\n[model]\ninit = {}\ntokenizer = "char"\n[data]\ntask = "addition"\n[rl]\n')
     with pytest.raises(RecipeError) as info:
-        load_recipe(path, machine=NO_CORES)
+        load_feasible_recipe(path, machine=NO_CORES)
     assert info.value.problems == [
         f"{path}:1: trainer.ranks: no CPU cores left for the trainer",
         f"{path}:1: inference.engines: no CPU cores left for the inference engines",

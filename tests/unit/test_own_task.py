@@ -12,7 +12,7 @@ import pytest
 
 from backends.data.files import hold_out, load_rows
 from skyrl_cli.errors import RecipeError
-from skyrl_cli.recipe.loader import load_recipe
+from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.recipe.validate import module_findable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def test_reward_scores_sorted_letters_from_the_rows_prompt(monkeypatch):
 
 def test_recipe_resolves_paths_and_finds_its_module_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the recipe's directory
-    recipe = load_recipe(REPO / "recipes" / "own_task.toml", gpu_count=0)
+    recipe = load_feasible_recipe(REPO / "recipes" / "own_task.toml", gpu_count=0)
     assert recipe.data.train == str(TASK / "train.jsonl") and recipe.rl.reward == "own_task.reward:score"
     assert module_findable("own_task.reward", [REPO / "recipes"])
     assert not module_findable("own_task.nope", [REPO / "recipes"]) and not module_findable("no_such_module_x", [])
@@ -58,20 +58,20 @@ def test_the_reward_module_is_looked_up_next_to_the_recipe_and_reported_with_its
     recipe_path.write_text(text.replace('reward = "own_task.reward:score"', 'reward = "my_reward:score"'))
     line = next(i for i, t in enumerate(recipe_path.read_text().splitlines(), 1) if t.startswith("reward ="))
     with pytest.raises(RecipeError) as caught:
-        load_recipe(recipe_path, gpu_count=0)
+        load_feasible_recipe(recipe_path, gpu_count=0)
     assert caught.value.problems == [
         f"{recipe_path}:{line}: rl.reward: cannot find module 'my_reward' (looked next to the recipe, in the current "
         "directory and in the installed packages)"
     ]
     (elsewhere / "my_reward.py").write_text("def score(response, row):\n    return 1.0\n")
-    assert load_recipe(recipe_path, gpu_count=0).rl.reward == "my_reward:score"
+    assert load_feasible_recipe(recipe_path, gpu_count=0).rl.reward == "my_reward:score"
 
 
 def test_sft_and_rl_hold_out_the_same_rows_when_there_is_no_eval_file(tmp_path):
     from backends.data.sft import load_source
     from backends.rollout.orchestrator import load_rows as rl_rows
 
-    recipe = load_recipe(REPO / "recipes" / "own_task.toml", ["data.eval_size=50"], gpu_count=0)
+    recipe = load_feasible_recipe(REPO / "recipes" / "own_task.toml", ["data.eval_size=50"], gpu_count=0)
     data = recipe.data.model_copy(update={"eval": None})
     recipe = recipe.model_copy(update={"data": data})
     train, evals = rl_rows(recipe)

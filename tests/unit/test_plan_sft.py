@@ -85,7 +85,7 @@ def test_machine_detection_is_light():
 
 
 def test_free_ports_avoid_the_ephemeral_range(monkeypatch):
-    from skyrl_cli.plan import machine
+    from skyrl_cli import ports as machine
 
     low = machine.ephemeral_port_floor()
     ports = find_free_ports(5)

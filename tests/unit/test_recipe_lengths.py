@@ -10,9 +10,9 @@ import pytest
 from skyrl_cli.errors import RecipeError
 from skyrl_cli.plan.inference import Machine, engine_specs
 from skyrl_cli.recipe.lengths import LENGTH_CAP, config_positions, with_model_lengths
-from skyrl_cli.recipe.loader import load_recipe
+from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import prepare_run_dir
+from skyrl_cli.rundir import RunDir
 
 CPU2 = Machine(device="cpu", engine_cores=(0, 1), python="py")
 
@@ -33,10 +33,10 @@ def write_recipe(root: Path, body: str) -> Path:
 
 def test_lengths_follow_a_local_model_with_fewer_positions(tmp_path):
     model_dir(tmp_path, "llama", max_position_embeddings=256)
-    recipe = load_recipe(write_recipe(tmp_path, '[model]\npath = "llama"\n[data]\ntask = "addition"\n[sft]\n[rl]\n'), gpu_count=0)
+    recipe = load_feasible_recipe(write_recipe(tmp_path, '[model]\npath = "llama"\n[data]\ntask = "addition"\n[sft]\n[rl]\n'), gpu_count=0)
     assert (recipe.data.max_length, recipe.inference.max_model_len) == (256, 256)
     # The run directory's resolved recipe, which every backend reads, carries the numbers.
-    run_dir = prepare_run_dir(tmp_path / "run", recipe)
+    run_dir = RunDir(tmp_path / "run").prepare(recipe).root
     resolved = json.loads((run_dir / "recipe.resolved.json").read_text())
     assert (resolved["data"]["max_length"], resolved["inference"]["max_model_len"]) == (256, 256)
 
@@ -44,14 +44,14 @@ def test_lengths_follow_a_local_model_with_fewer_positions(tmp_path):
 @pytest.mark.parametrize("positions, expected", [(128, 128), (512, 512), (4096, LENGTH_CAP)])
 def test_a_tiny_model_caps_the_default_at_512(tmp_path, positions, expected):
     body = f'[model]\ninit = {{ max_position_embeddings = {positions} }}\ntokenizer = "char"\n[data]\ntask = "addition"\n[rl]\n'
-    recipe = load_recipe(write_recipe(tmp_path, body), gpu_count=0)
+    recipe = load_feasible_recipe(write_recipe(tmp_path, body), gpu_count=0)
     assert (recipe.data.max_length, recipe.inference.max_model_len) == (expected, expected)
 
 
 def test_explicit_lengths_within_the_limit_are_kept(tmp_path):
     model_dir(tmp_path, "llama", max_position_embeddings=4096)
     body = '[model]\npath = "llama"\n[data]\ntask = "addition"\nmax_length = 1024\n[rl]\n[inference]\nmax_model_len = 2048\n'
-    recipe = load_recipe(write_recipe(tmp_path, body), gpu_count=0)
+    recipe = load_feasible_recipe(write_recipe(tmp_path, body), gpu_count=0)
     assert (recipe.data.max_length, recipe.inference.max_model_len) == (1024, 2048)
 
 
@@ -61,12 +61,12 @@ def test_the_served_length_follows_the_rl_checkpoint(tmp_path):
     body = '[model]\npath = "base"\n[data]\ntask = "addition"\n[rl]\ninit_from = "ckpt"\n[inference]\nmax_model_len = 200\n'
     path = write_recipe(tmp_path, body)
     with pytest.raises(RecipeError) as info:
-        load_recipe(path, gpu_count=0)
+        load_feasible_recipe(path, gpu_count=0)
     assert info.value.problems == [f"{path}:9: inference.max_model_len: 200 exceeds max_position_embeddings in ckpt/config.json (128)"]
-    recipe = load_recipe(path, ["inference.max_model_len=100"], gpu_count=0)
+    recipe = load_feasible_recipe(path, ["inference.max_model_len=100"], gpu_count=0)
     assert recipe.inference.max_model_len == 100
     body = body.replace("max_model_len = 200\n", "")
-    recipe = load_recipe(write_recipe(tmp_path, body), gpu_count=0)
+    recipe = load_feasible_recipe(write_recipe(tmp_path, body), gpu_count=0)
     assert (recipe.data.max_length, recipe.inference.max_model_len) == (512, 128)
 
 
@@ -76,7 +76,7 @@ def test_a_config_without_the_key_keeps_the_cap(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("[1, 2")
     assert config_positions(tmp_path / "bad") is None
-    recipe = load_recipe(write_recipe(tmp_path, '[model]\npath = "no_key"\n[data]\ntask = "addition"\n[rl]\n'), gpu_count=0)
+    recipe = load_feasible_recipe(write_recipe(tmp_path, '[model]\npath = "no_key"\n[data]\ntask = "addition"\n[rl]\n'), gpu_count=0)
     assert recipe.inference.max_model_len == LENGTH_CAP
 
 

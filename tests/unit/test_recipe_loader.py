@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_cli.errors import RecipeError
-from skyrl_cli.recipe.loader import load_recipe
+from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.recipe.overrides import parse_override, parse_value
 from skyrl_cli.recipe.schema import Recipe
 from skyrl_cli.recipe.validate import NOT_YET_IMPLEMENTED
@@ -29,7 +29,7 @@ steps = 10
 
 def problems(path, sets=(), gpu_count=0) -> list[str]:
     with pytest.raises(RecipeError) as info:
-        load_recipe(path, sets, gpu_count=gpu_count)
+        load_feasible_recipe(path, sets, gpu_count=gpu_count)
     return info.value.problems
 
 
@@ -57,7 +57,7 @@ def test_override_paths_use_toml_spelling():
 
 
 def test_overrides_apply_before_validation(minimal):
-    recipe = load_recipe(minimal, ["sft.steps=7", "data.task=reversal", "rl.async.max_staleness=5"], gpu_count=0)
+    recipe = load_feasible_recipe(minimal, ["sft.steps=7", "data.task=reversal", "rl.async.max_staleness=5"], gpu_count=0)
     assert recipe.sft.steps == 7
     assert recipe.data.task == "reversal"
     assert recipe.rl.async_.max_staleness == 5  # a new [rl] table is created
@@ -108,7 +108,7 @@ def test_paths_resolve_against_the_recipe_directory(tmp_path):
     (tmp_path / "model").mkdir()
     path = tmp_path / "r.toml"
     path.write_text('name = "t"\n[model]\npath = "model"\n[data]\ntrain = "data/train.jsonl"\n[sft]\n[rl]\ninit_from = "sft"\n')
-    recipe = load_recipe(path, gpu_count=0)
+    recipe = load_feasible_recipe(path, gpu_count=0)
     assert recipe.model.path == str(tmp_path / "model")
     assert recipe.data.train == str(tmp_path / "data" / "train.jsonl")
     assert recipe.rl.init_from == "sft"
@@ -130,7 +130,7 @@ def test_layout_against_the_gpu_count(minimal):
     assert problems(minimal, cuda, gpu_count=1) == [
         "--set: trainer.ranks: the layout needs 2 GPUs (2 trainer ranks + 0 for 0 engines) but 1 is visible"
     ]
-    assert load_recipe(minimal, cuda, gpu_count=2).trainer.ranks == 2
+    assert load_feasible_recipe(minimal, cuda, gpu_count=2).trainer.ranks == 2
     assert problems(minimal, ["trainer.gpus=[3]"], gpu_count=2) == ["--set: trainer.gpus: GPU 3 does not exist (2 visible)"]
 
 
@@ -142,7 +142,7 @@ def test_rl_sizes_that_cannot_work(minimal):
 
 
 def test_resolved_recipe_round_trips_through_json():
-    recipe = load_recipe(QUICKSTART, gpu_count=0)
+    recipe = load_feasible_recipe(QUICKSTART, gpu_count=0)
     text = json.dumps(recipe.model_dump(mode="json", by_alias=True))
     assert Recipe.model_validate_json(text) == recipe
     assert '"async"' in text

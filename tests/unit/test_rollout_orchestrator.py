@@ -43,3 +43,132 @@ def test_a_failure_anywhere_is_raised_while_the_rest_would_wait_forever(failing_
         stuck.cancel()
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# The orchestrator end to end against recording fakes: a client that answers like an engine, the
+# engines' weight loader, and a learner thread on the real run-directory exchange.
+
+import threading  # noqa: E402
+
+from backends.exchange import RunExchange  # noqa: E402
+from backends.rollout.client import Completion, WeightSpan  # noqa: E402
+from backends.rollout.orchestrator import Orchestrator, load_rows  # noqa: E402
+from skyrl_cli.recipe.schema import Recipe  # noqa: E402
+
+
+class FakeEngines:
+    """Records what the orchestrator loads; the fake client samples with the version loaded last."""
+
+    def __init__(self):
+        self.version = "unlabelled"
+        self.loads: list[tuple[int, str]] = []
+
+    async def label_initial(self):
+        self.version = "0"
+
+    async def load(self, version, weights_dir):
+        self.loads.append((version, weights_dir.name))
+        self.version = str(version)
+        return type("Result", (), {"seconds": 0.0})()
+
+
+class RecordingClient:
+    """Answers each prompt ``a+b=`` with the sum on every other request, else with "0"."""
+
+    max_model_len = None
+
+    def __init__(self, tokenizer, engines):
+        self.tokenizer, self.engines = tokenizer, engines
+        self.requests: list[tuple[str, int]] = []  # (session id, samples asked)
+        self.finished: list[str] = []
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    def _answer(self, prompt_ids) -> Completion:
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        a, b = text.rsplit("=", 1)[0].split("+")[-2:]
+        right = len(self.requests) % 2 == 0
+        ids = self.tokenizer.encode(str(int(a[-3:]) + int(b)) if right else "0", add_special_tokens=False)
+        ids.append(self.tokenizer.eos_token_id)
+        return Completion(ids, [-0.5] * len(ids), "stop", (WeightSpan(self.engines.version, 0, len(ids)),))
+
+    async def generate(self, prompt_ids, session_id, max_tokens, temperature=1.0, n=1, **kw):
+        self.requests.append((session_id, n))
+        return [self._answer(prompt_ids) for _ in range(n)]
+
+    async def generate_batch(self, prompts, session_id, max_tokens, temperature=1.0, **kw):
+        self.requests.append((session_id, len(prompts)))
+        return [self._answer(p) for p in prompts]
+
+    async def finish_session(self, session_id):
+        self.finished.append(session_id)
+        return True
+
+
+def _learner(exchange: RunExchange, steps: int, seen: list):
+    """Publishes v0, then v(k+1) after reading batch k, like the real learner."""
+    for version in range(steps + 1):
+        if version:
+            seen.append(exchange.read_batch(version - 1, timeout_s=30))
+        with exchange.publish_weights(version) as out:
+            (out / "model.safetensors").write_text(f"v{version}")
+
+
+def _orchestrator(tmp_path, async_mode: bool):
+    from backends.models.tokenizer import build_char_tokenizer
+
+    recipe = Recipe.model_validate({
+        "name": "orch", "seed": 3,
+        "model": {"init": {"hidden_size": 32, "layers": 1, "heads": 2}, "tokenizer": "char"},
+        "data": {"task": "addition", "digits": 2, "train_size": 64, "eval_size": 6},
+        "rl": {"steps": 3, "prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 4, "eval_every": 2,
+               "save_every": 0, "async": {"max_staleness": 1}},
+    })  # fmt: skip
+    from backends.data.tasks import get_task
+
+    tokenizer = build_char_tokenizer(get_task("addition", 2).alphabet)
+    engines = FakeEngines()
+    client = RecordingClient(tokenizer, engines)
+    events = []
+    recorder = type("Events", (), {"log": lambda self, step, m: events.append((step, dict(m))), "close": lambda self: None})()
+    exchange = RunExchange(tmp_path)
+    orchestrator = Orchestrator(recipe, tokenizer=tokenizer, rows=load_rows(recipe), open_client=lambda: client,
+                                engines=engines, exchange=exchange, events=recorder, async_mode=async_mode)  # fmt: skip
+    return orchestrator, client, engines, events, exchange
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_the_orchestrator_feeds_every_step_and_loads_every_version(tmp_path, async_mode):
+    orchestrator, client, engines, events, exchange = _orchestrator(tmp_path, async_mode)
+    batches: list[dict] = []
+    learner = threading.Thread(target=_learner, args=(exchange, 3, batches), daemon=True)
+    learner.start()
+    asyncio.run(asyncio.wait_for(orchestrator.run(first_version_timeout_s=30), timeout=60))
+    learner.join(timeout=30)
+
+    assert [b["step"] for b in batches] == [0, 1, 2]
+    assert all(len(b["samples"]) == 2 * 2 for b in batches)  # prompts_per_step x samples_per_prompt
+    loaded = [v for v, _ in engines.loads]
+    assert all(name == f"v{v}" for v, name in engines.loads)  # each version from its own directory
+    if async_mode:  # generation runs ahead, so the learner may publish twice between two polls
+        assert loaded == sorted(set(loaded)) and loaded[-1] == 3, loaded
+    else:  # batch k needs version k on the engines: none is skipped
+        assert loaded == [1, 2, 3]
+    assert [v for v, _ in exchange.paths.weight_versions()] == [3]  # older versions pruned
+    for batch in batches:  # sync: batch k sampled by version k only; async: at most 1 version behind
+        for sample in batch["samples"]:
+            lag = batch["step"] - min(sample["policy_versions"])
+            assert lag == 0 if not async_mode else 0 <= lag <= 1, (batch["step"], sample["policy_versions"])
+    # Evaluations at the start, at eval_every and at the end; the first one is kept as the baseline.
+    assert [s for s, m in events if "eval/accuracy" in m] == ([0, 2, 3] if 2 in loaded else [0, 3])
+    assert exchange.paths.initial_accuracy() == next(m["eval/accuracy"] for _, m in events if "eval/accuracy" in m)
+    assert [m["weights/version"] for _, m in events if "weights/version" in m] == loaded
+    assert sorted(s for s, m in events if "rollout/reward_mean" in m) == [1, 2, 3]
+    # Every session the orchestrator opened through the router was released.
+    opened = {sid for sid, _ in client.requests}
+    assert opened <= set(client.finished)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from backends.train.checkpoint import STATE_FILE, complete_checkpoints, latest_checkpoint, remove_leftovers
+from backends.train.checkpoint import STATE_FILE, remove_leftovers
+from skyrl_cli.rundir import RunDir
 
 
 def _checkpoint(root, name, complete=True):
@@ -11,17 +12,6 @@ def _checkpoint(root, name, complete=True):
     if complete:
         (path / STATE_FILE).write_text("{}")
     return path
-
-
-def test_only_complete_step_directories_count(tmp_path):
-    assert latest_checkpoint(tmp_path) is None
-    _checkpoint(tmp_path, "step-4")
-    _checkpoint(tmp_path, "step-12")
-    _checkpoint(tmp_path, "step-16", complete=False)  # no trainer_state.json: never published
-    _checkpoint(tmp_path, ".tmp-step-20")
-    _checkpoint(tmp_path, "notes")
-    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 12]  # numeric order, not text order
-    assert latest_checkpoint(tmp_path).name == "step-12"
 
 
 def test_leftovers_are_removed(tmp_path):
@@ -40,6 +30,6 @@ def test_a_killed_publish_is_undone_at_start_up(tmp_path):
     (tmp_path / ".old-final-77" / "config.json").write_text("{}")
     (tmp_path / ".tmp-final").mkdir()
     remove_leftovers(tmp_path)
-    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4]
+    assert [s for s, _ in RunDir(tmp_path).complete_checkpoints()] == [4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "final"]
     assert (tmp_path / "final" / "config.json").is_file()

@@ -13,13 +13,30 @@ SFT stage trains.
 
 from __future__ import annotations
 
+import os
+from typing import Iterable
+
 from skyrl_cli.errors import UsageError
 from skyrl_cli.plan.inference import VLLM_HEAD_SIZES, VLLM_LORA_RANKS
-from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.trainer import trainer_device, world_size
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.schema import Recipe
 from skyrl_cli.recipe.validate import Problem
+
+
+def load_feasible_recipe(
+    path: str | os.PathLike,
+    sets: Iterable[str] = (),
+    gpu_count: int | None = None,
+    machine: MachineFacts | None = None,
+) -> Recipe:
+    """``skyrl_cli.recipe.loader.load_recipe`` with the checks against ``machine`` (default: this
+    host's facts, with GPUs 0..``gpu_count``-1 when ``gpu_count`` is given) in the same report."""
+    from skyrl_cli.recipe.loader import load_recipe
+
+    facts = machine if machine is not None else detect_machine(gpu_count)
+    return load_recipe(path, sets, checks=[lambda recipe: feasibility_problems(recipe, facts)])
 
 
 def feasibility_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:

@@ -1,0 +1,49 @@
+"""What the SFT trainer and the RL learner processes share: the resolved recipe, rank-0 output
+(events and printed lines) and exporting the trained model as an HF directory. Both take the
+module dtype from ``backends.models.loading.torch_dtype``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from skyrl_cli.metrics.events import EventWriter
+from skyrl_cli.recipe.schema import Recipe
+from skyrl_cli.rundir import RunDir
+
+PROCESS_NAME = "trainer"
+
+
+def load_recipe(run_dir: Path) -> Recipe:
+    return RunDir(run_dir).read_recipe()
+
+
+def open_events(run_dir: Path, dist) -> EventWriter | None:
+    """The run's event log on rank 0; None on the other ranks."""
+    return EventWriter(RunDir(run_dir).events, PROCESS_NAME) if dist.is_main else None
+
+
+def say(dist, msg: str) -> None:
+    """Print on rank 0 only (the supervisor's log and the tests read these lines)."""
+    if dist.is_main:
+        print(msg, flush=True)
+
+
+class HFExporter:
+    """Writes the trained model (+ tokenizer) as an HF directory; collective under ZeRO-3."""
+
+    def __init__(self, engine, tokenizer, dist, zero_stage: int):
+        self.engine, self.tokenizer, self.dist, self.zero_stage = engine, tokenizer, dist, zero_stage
+
+    def __call__(self, out_dir: Path) -> None:
+        from backends.models.loading import save_hf
+        from backends.models.lora import is_peft, merged_copy, save_adapter
+
+        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
+        if not self.dist.is_main:
+            return
+        module = self.engine.module
+        if is_peft(module):
+            save_hf(merged_copy(module), self.tokenizer, out_dir)
+            save_adapter(module, out_dir / "adapter")
+        else:
+            save_hf(module, self.tokenizer, out_dir, state_dict=state_dict)
