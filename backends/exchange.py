@@ -3,8 +3,8 @@
 Works the same on one machine and on a shared file system across nodes:
 
 - ``batches/step-<k>.json``: the k-th training batch (k from 0), written by the orchestrator.
-- ``weights/v<k>/``: the policy after k optimizer steps (HF safetensors + config), written by the
-  trainer's rank 0; ``v0`` is the initial policy. ``weights/LATEST`` names the newest version.
+- ``weights/v<k>/``: the policy after k optimizer steps (HF safetensors + config; with LoRA the
+  PEFT adapter only: adapter_config.json + adapter_model.safetensors), written by the trainer's rank 0; ``v0`` is the initial policy. ``weights/LATEST`` names the newest version.
 - ``control/stop``: written by either side to ask the other to stop (e.g. after a failure).
 
 Every file or directory appears complete or not at all (``skyrl_cli.atomic``: written under a
@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from skyrl_cli.atomic import atomic_dir, write_json, write_text
 from skyrl_cli.rundir import RunDir
@@ -74,14 +74,16 @@ class RunExchange:
         self._wait_for(published, f"weights v{version}", timeout_s, poll_s)
         return self.weights_dir(self.latest_version())
 
-    def prune_weights_before(self, version: int) -> None:
-        """Delete published versions older than ``version`` (the one the engines now serve).
+    def prune_weights_before(self, version: int, keep: Iterable[int] = ()) -> None:
+        """Delete published versions older than ``version`` (the one the engines now serve), but
+        not those in ``keep`` (LoRA adapters still loaded: an engine may read their files again).
 
         Never anything newer: the learner renames a new version into place before it updates
         LATEST, so a newer directory may exist that LATEST does not name yet.
         """
+        kept = set(keep)
         for published, path in self.paths.weight_versions():
-            if published < version:
+            if published < version and published not in kept:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ control

@@ -15,8 +15,13 @@ an error is (a bad weights directory must not pass silently). A paused engine is
 also when the reload fails.
 
 This disk path is the only one RL runs use today, on GPUs too: the NCCL broadcast in
-``backends.inference.nccl_sync`` is written but not wired in yet, and ``sync_lora_adapter`` waits
-for LoRA in the RL stage (refused by validation until then).
+``backends.inference.nccl_sync`` is written but not wired in yet.
+
+LoRA (``model.lora``): each policy version is a PEFT adapter directory, loaded under its own name
+(``adapter_name(k)`` = ``policy-v<k>``) with ``/v1/load_lora_adapter`` and no pause: a request
+names the adapter it samples with, so in-flight requests finish on the version they asked for and
+every token of a request comes from exactly that version. ``EngineAdapters`` unloads an old version
+once no request in flight names it (``/v1/unload_lora_adapter``); only then may its directory go.
 
 ``record_current_weights`` / ``read_current_weights`` keep ``<run_dir>/weights/current.json`` (the
 latest synced directory and version) so the recovery loop can bring a restarted engine up to date.
@@ -31,7 +36,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import httpx
 
@@ -85,7 +90,11 @@ async def _for_each_engine(
     update_one: Callable[[httpx.AsyncClient, str], Awaitable[None]],
     http: httpx.AsyncClient | None,
     timeout_s: float,
+    pause: bool = True,
 ) -> WeightSyncResult:
+    """``update_one`` on every engine concurrently, between pause and resume when ``pause`` (an
+    update that replaces weights requests are using); an update that adds weights under a new
+    name (a versioned LoRA adapter) needs none."""
     own_client = http is None
     http = http or httpx.AsyncClient(timeout=timeout_s)
     started = time.perf_counter()
@@ -95,7 +104,10 @@ async def _for_each_engine(
     async def one(url: str) -> None:
         t0 = time.perf_counter()
         try:
-            await _paused(http, url, lambda: update_one(http, url))
+            if pause:
+                await _paused(http, url, lambda: update_one(http, url))
+            else:
+                await update_one(http, url)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as err:
             log.warning("weight sync: %s unreachable (%s); recovery will update it", url, err)
             unreachable.append(url)
@@ -147,14 +159,18 @@ async def sync_lora_adapter(
     adapter_dir: str | os.PathLike,
     version: str | int,
     *,
+    load_inplace: bool = True,
     http: httpx.AsyncClient | None = None,
     timeout_s: float = ADMIN_TIMEOUT_S,
 ) -> WeightSyncResult:
-    """LoRA: load (or replace in place) the adapter saved in ``adapter_dir`` under ``lora_name``.
+    """LoRA: load (or, with ``load_inplace``, replace) the adapter saved in ``adapter_dir`` under
+    ``lora_name``, and label the engines' weights ``version``.
 
     Engines must run with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (the
     launch plan sets both when the recipe has ``[model.lora]``); requests select the adapter with
-    ``model = lora_name``.
+    ``model = lora_name``. Replacing an adapter in place changes weights that in-flight requests
+    use, so the engines are paused for it; a new name (``load_inplace=False``, the RL stage's
+    versioned adapters) is loaded with no pause.
     """
     adapter_path = str(Path(adapter_dir).resolve())
     version = str(version)
@@ -164,11 +180,25 @@ async def sync_lora_adapter(
             client,
             url,
             "/v1/load_lora_adapter",
-            {"lora_name": lora_name, "lora_path": adapter_path, "load_inplace": True},
+            {"lora_name": lora_name, "lora_path": adapter_path, "load_inplace": load_inplace},
         )
         await _post(client, url, "/update_weight_version", {"new_version": version})
 
-    return await _for_each_engine(engine_urls, version, update, http, timeout_s)
+    return await _for_each_engine(engine_urls, version, update, http, timeout_s, pause=load_inplace)
+
+
+async def unload_lora_adapter(engine_urls: Sequence[str], lora_name: str, http: httpx.AsyncClient | None = None) -> None:
+    """``/v1/unload_lora_adapter`` on every engine. Clean-up, so best effort: an engine that died,
+    or was restarted and only has the current adapter, is skipped with a warning."""
+
+    async def one(client: httpx.AsyncClient, url: str) -> None:
+        try:
+            await _post(client, url, "/v1/unload_lora_adapter", {"lora_name": lora_name})
+        except (httpx.HTTPError, WeightSyncError) as err:
+            log.warning("unload of adapter %s on %s: %s", lora_name, url, err)
+
+    async with httpx.AsyncClient(timeout=ADMIN_TIMEOUT_S) if http is None else _borrowed(http) as client:
+        await asyncio.gather(*(one(client, u) for u in engine_urls))
 
 
 async def set_weight_version(
@@ -236,8 +266,8 @@ async def bring_up_to_date(engine_urls: Sequence[str], current: CurrentWeights |
     if current is None:
         await set_weight_version(engine_urls, "0")
         return None
-    if current.lora_name:
-        return await sync_lora_adapter(engine_urls, current.lora_name, current.path, current.version)
+    if current.lora_name:  # a fresh engine has no adapter of that name: nothing to replace, no pause
+        return await sync_lora_adapter(engine_urls, current.lora_name, current.path, current.version, load_inplace=False)
     return await sync_weights(engine_urls, current.path, current.version)
 
 
@@ -245,6 +275,8 @@ class EngineWeights:
     """The orchestrator's view of the engines' weights: label the initial policy, load a published
     version. ``weights/current.json`` is recorded before each load, so an engine that the recovery
     loop restarts meanwhile loads the same version (``backends.inference.recovery``)."""
+
+    lora = False  # v0 is the engines' own weights: labelled, not loaded
 
     def __init__(self, engine_urls: Sequence[str], run_dir: str | os.PathLike, *, reset_prefix_cache: bool = False):
         self.engine_urls = list(engine_urls)
@@ -254,6 +286,82 @@ class EngineWeights:
     async def label_initial(self) -> None:
         await set_weight_version(self.engine_urls, "0")
 
+    def model_name(self, version: int) -> str:
+        """What a rollout request names to sample from ``version``: full weights have one name."""
+        return BASE_MODEL_NAME
+
     async def load(self, version: int, weights_dir: str | os.PathLike) -> WeightSyncResult:
         record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(version)))
         return await sync_weights(self.engine_urls, weights_dir, version, reset_prefix_cache=self.reset_prefix_cache)
+
+    async def retire(self, in_flight: Mapping[str, int]) -> list[int]:
+        """Versions unloaded now: none, full weights keep no version beside the current one."""
+        return []
+
+    def held(self) -> frozenset[int]:
+        """Versions whose directories the engines may still read: none once a reload is done."""
+        return frozenset()
+
+
+# ------------------------------------------------------------------------------ LoRA versions
+
+BASE_MODEL_NAME = "policy"  # skyrl_cli.plan.inference.ENGINE_MODEL_NAME (not imported: layering)
+ADAPTER_PREFIX = f"{BASE_MODEL_NAME}-v"
+
+
+def adapter_name(version: int) -> str:
+    """The engines' name for policy version ``version`` as a LoRA adapter."""
+    return f"{ADAPTER_PREFIX}{int(version)}"
+
+
+def adapter_version(model: str) -> int | None:
+    """The version an adapter name stands for (``policy-v7`` -> 7); None for any other model name."""
+    if not model.startswith(ADAPTER_PREFIX):
+        return None
+    rest = model[len(ADAPTER_PREFIX) :]
+    return int(rest) if rest.isdigit() else None
+
+
+def retirable(loaded: Iterable[int], current: int | None, in_flight: Mapping[str, int]) -> list[int]:
+    """Loaded versions that may be unloaded: not the current one, and no request in flight names them."""
+    return sorted(v for v in loaded if v != current and in_flight.get(adapter_name(v), 0) <= 0)
+
+
+class EngineAdapters:
+    """``EngineWeights`` for LoRA: every version (v0 too, peft's zero-initialised adapter, equal to
+    the base model) is an adapter loaded under ``adapter_name(version)`` with no pause; versions that
+    no in-flight request names are unloaded by ``retire``. Within the staleness bound at most
+    ``max_staleness + 2`` (async) or 2 (sync) are loaded at once, the ``--max-loras`` of the launch
+    plan (past it a request would wait for an engine slot, not fail)."""
+
+    lora = True  # v0 is an adapter too: loaded like every other version
+
+    def __init__(self, engine_urls: Sequence[str], run_dir: str | os.PathLike):
+        self.engine_urls = list(engine_urls)
+        self.run_dir = run_dir
+        self.loaded: set[int] = set()
+        self.current: int | None = None
+
+    def model_name(self, version: int) -> str:
+        return adapter_name(version)
+
+    async def load(self, version: int, adapter_dir: str | os.PathLike) -> WeightSyncResult:
+        name = adapter_name(version)
+        record_current_weights(self.run_dir, CurrentWeights(str(adapter_dir), str(version), lora_name=name))
+        result = await sync_lora_adapter(self.engine_urls, name, adapter_dir, version, load_inplace=False)
+        self.loaded.add(version)
+        self.current = version
+        return result
+
+    async def retire(self, in_flight: Mapping[str, int]) -> list[int]:
+        """Unload every version but the current one that no request in flight names; returns them
+        (their directories may go now, not before: an engine reads an adapter's files again when
+        its LoRA cache evicted it)."""
+        gone = retirable(self.loaded, self.current, in_flight)
+        for version in gone:
+            await unload_lora_adapter(self.engine_urls, adapter_name(version))
+            self.loaded.discard(version)
+        return gone
+
+    def held(self) -> frozenset[int]:
+        return frozenset(self.loaded)

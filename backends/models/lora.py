@@ -11,6 +11,8 @@ from pathlib import Path
 
 from skyrl_cli.recipe.schema import LoraConfig
 
+ADAPTER_DIR = "adapter"  # the adapter inside an exported model directory (checkpoints, final/)
+
 
 def apply_lora(model, lora: LoraConfig):
     """The model wrapped with trainable LoRA adapters; base weights are frozen."""

@@ -18,6 +18,13 @@ Routing: every request carries ``X-Session-ID``; the router (``sticky_least_load
 keeps every turn of a session on one engine, whose prefix cache then holds the session's context.
 ``finish_session`` releases the pin (``RolloutSession`` does it in a ``finally``).
 
+LoRA (``model.lora``): the model a request names is a versioned adapter (``policy-v<k>``), and the
+tokens of a request are all sampled by that adapter, whatever the engine's weight-version label
+says meanwhile (it is the newest adapter loaded, which a request that named an older one does not
+use). So for an adapter the spans come from its name (``adapter_spans``), not from the engine.
+``in_flight`` counts requests per model name, so that an old adapter is unloaded only once no
+request uses it (``backends.inference.weight_sync.EngineAdapters.retire``).
+
 Failures: a connection error, a timeout, a 5xx or a 429 is retried with exponential backoff and
 jitter, up to ``max_retries`` times. Before a retry the session's pin is released, so a session
 pinned to an engine that died is placed on a live one (its cached prefix died with the engine
@@ -27,20 +34,23 @@ anyway). Other 4xx errors are bugs in the request and raise at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import httpx
 
+from backends.inference.weight_sync import BASE_MODEL_NAME, adapter_version
 from skyrl_cli.errors import SkyrlError
 
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
-DEFAULT_MODEL = "policy"  # skyrl_cli.plan.inference.ENGINE_MODEL_NAME (not imported: layering)
+DEFAULT_MODEL = BASE_MODEL_NAME
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -91,6 +101,15 @@ def parse_generate_response(body: dict) -> list[Completion]:
     return completions
 
 
+def adapter_spans(completions: list[Completion], model: str) -> list[Completion]:
+    """Completions of a request that named ``model``: for a versioned LoRA adapter, one span of its
+    version over all tokens (the adapter sampled every one of them); unchanged for any other name."""
+    version = adapter_version(model)
+    if version is None:
+        return completions
+    return [replace(c, weight_spans=(WeightSpan(str(version), 0, len(c.token_ids)),) if c.token_ids else ()) for c in completions]
+
+
 def parse_completions_response(body: dict) -> list[Completion]:
     """The choices of a ``/v1/completions`` response (``return_token_ids``, ``logprobs = 0``), in
     index order. No weight spans: that route does not report them."""
@@ -131,6 +150,7 @@ class RolloutClient:
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
         )
         self.retries = 0  # retried requests so far (a metric)
+        self.in_flight: Counter[str] = Counter()  # requests under way per model name (LoRA unloads)
 
     @classmethod
     def from_recipe(cls, router_url: str, recipe, model: str = DEFAULT_MODEL) -> "RolloutClient":
@@ -173,9 +193,11 @@ class RolloutClient:
             raise RolloutError("empty prompt")
         sampling = self._sampling(max_tokens, temperature, n, top_p, stop_token_ids, seed, ignore_eos)
         sampling["detokenize"] = False
-        body = {"token_ids": [int(t) for t in prompt_ids], "sampling_params": sampling, "model": model or self.model}
-        response = await self._post_with_retries(GENERATE_PATH, body, session_id)
-        completions = parse_generate_response(response)
+        model = model or self.model
+        body = {"token_ids": [int(t) for t in prompt_ids], "sampling_params": sampling, "model": model}
+        with self.counted(model):
+            response = await self._post_with_retries(GENERATE_PATH, body, session_id)
+        completions = adapter_spans(parse_generate_response(response), model)
         if len(completions) != n:
             raise RolloutError(f"asked for {n} samples, engine returned {len(completions)}")
         return completions
@@ -202,10 +224,23 @@ class RolloutClient:
             "return_token_ids": True,
             "model": model or self.model,
         }
-        completions = parse_completions_response(await self._post_with_retries(COMPLETIONS_PATH, body, session_id))
+        with self.counted(body["model"]):
+            completions = parse_completions_response(await self._post_with_retries(COMPLETIONS_PATH, body, session_id))
         if len(completions) != len(prompts):
             raise RolloutError(f"asked for {len(prompts)} completions, engine returned {len(completions)}")
         return completions
+
+    @contextlib.contextmanager
+    def counted(self, model: str):
+        """``in_flight[model]`` while a request is under way. Entered with no await between reading
+        the model name and counting it, so an unload never misses a request about to be sent."""
+        self.in_flight[model] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[model] -= 1
+            if self.in_flight[model] <= 0:
+                del self.in_flight[model]
 
     @staticmethod
     def _sampling(max_tokens, temperature, n, top_p, stop_token_ids, seed, ignore_eos) -> dict:

@@ -15,8 +15,9 @@ without it (0 is the synchronous schedule: B groups, train, sync, B groups, ...)
 takes batches from the buffer and writes them to ``batches/step-<k>.json`` for the learner. A weight
 watcher waits for each version the learner publishes (``weights/v<k>``), pushes it to every engine
 (pause in ``keep`` mode, reload, label, resume: in-flight trajectories continue under the new
-weights and record both versions), then opens the buffer to that version, and evaluates on the
-held-out split by greedy decoding through the engines when an evaluation is due.
+weights and record both versions; with LoRA each version is an adapter loaded under its own name
+and requests name the current one, see ``sync_engines``), then opens the buffer to that version,
+and evaluates on the held-out split by greedy decoding through the engines when an evaluation is due.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class Orchestrator:
         async_mode: bool,
     ):
         """``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
-        router); ``engines``: an ``EngineWeights`` (admin calls to every engine); ``exchange``: the
-        ``RunExchange`` with the learner; ``events``: an ``EventWriter``; ``rows``: (train, eval)."""
+        router); ``engines``: an ``EngineWeights`` or, with LoRA, ``EngineAdapters`` (admin calls to
+        every engine); ``exchange``: the ``RunExchange`` with the learner; ``events``: an
+        ``EventWriter``; ``rows``: (train, eval)."""
         from backends.rollout.environments import environment_factory
         from backends.rollout.rewards import GuardedCaller
 
@@ -103,6 +105,7 @@ class Orchestrator:
         self.paths: RunDir = exchange.paths
         self.make_env = environment_factory(recipe)
         self.caller = GuardedCaller(self.rl.reward_timeout_s)
+        self.client = None  # the open RolloutClient while run() is under way
         self.start = 0  # the first version the learner publishes, known once run() has waited for it
         self.version = 0
         self.errors = 0
@@ -247,12 +250,25 @@ class Orchestrator:
             await buffer.publish_version(latest)
 
     async def sync_engines(self, version: int) -> None:
-        """Every engine onto ``version``; then older published versions are deleted."""
+        """Every engine onto ``version``, new requests onto its model name; then older published
+        versions the engines no longer hold are deleted.
+
+        LoRA: versions that no request in flight names are unloaded before the load (so no more
+        than ``--max-loras`` are ever loaded) and again after it (the previous one, once idle); a
+        version still in use keeps its adapter and directory until a later sync finds it idle."""
         t0 = time.perf_counter()
+        await self.engines.retire(self.in_flight())
         result = await self.engines.load(version, self.exchange.weights_dir(version))
+        if self.client is not None:
+            self.client.model = self.engines.model_name(version)
+        await self.engines.retire(self.in_flight())
         log.info("engines on policy version %d (%.3f s)", version, result.seconds)
         self.events.log(version, {"timing/sync_weights_s": time.perf_counter() - t0, "weights/version": version})
-        self.exchange.prune_weights_before(version)
+        self.exchange.prune_weights_before(version, keep=self.engines.held())
+
+    def in_flight(self) -> Mapping[str, int]:
+        """Requests under way per model name (the rollout client counts them)."""
+        return self.client.in_flight if self.client is not None else {}
 
     def save_state(self, buffer, version: int) -> None:
         """Buffer state for a checkpoint the learner writes at the same version."""
@@ -324,7 +340,8 @@ class Orchestrator:
         self.events.log(self.start, {"progress/total_steps": self.rl.steps})
         buffer = self.restore_buffer()
         async with self.open_client() as client:
-            if self.start > 0:
+            self.client = client
+            if self.start > 0 or self.engines.lora:  # LoRA: v0 is an adapter too
                 await self.sync_engines(self.start)
             else:
                 await self.engines.label_initial()
@@ -360,7 +377,7 @@ async def until_done_or_failed(required: set[asyncio.Task], others: set[asyncio.
 def build_orchestrator(run_dir: Path, init_from: Path, router_url: str, engine_urls: Sequence[str], async_mode: bool) -> Orchestrator:
     """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner."""
     from backends.exchange import RunExchange
-    from backends.inference.weight_sync import EngineWeights
+    from backends.inference.weight_sync import EngineAdapters, EngineWeights
     from backends.models.tokenizer import load_tokenizer
     from backends.rollout.client import RolloutClient
 
@@ -371,7 +388,11 @@ def build_orchestrator(run_dir: Path, init_from: Path, router_url: str, engine_u
         tokenizer=load_tokenizer(str(init_from)),
         rows=load_rows(recipe),
         open_client=lambda: RolloutClient.from_recipe(router_url, recipe),
-        engines=EngineWeights(engine_urls, run_dir, reset_prefix_cache=recipe.rl.async_.reset_prefix_cache),
+        engines=(
+            EngineAdapters(engine_urls, run_dir)
+            if recipe.model.lora is not None
+            else EngineWeights(engine_urls, run_dir, reset_prefix_cache=recipe.rl.async_.reset_prefix_cache)
+        ),
         exchange=RunExchange(run_dir),
         events=EventWriter(paths.events, PROCESS_NAME),
         async_mode=async_mode,

@@ -29,21 +29,37 @@ def say(dist, msg: str) -> None:
 
 
 class HFExporter:
-    """Writes the trained model (+ tokenizer) as an HF directory; collective under ZeRO-3."""
+    """Writes the trained model (+ tokenizer) as an HF directory; collective under ZeRO-3.
 
-    def __init__(self, engine, tokenizer, dist, zero_stage: int):
+    A LoRA model is written as its adapter in ``adapter/`` plus, with ``merge`` (always in SFT; in
+    RL with ``model.lora.merge_final``), the merged model as the HF directory itself, so a merged
+    export loads like any other model. Without ``merge`` the directory holds the tokenizer and
+    ``adapter/`` only (the adapter's config names its base model)."""
+
+    def __init__(self, engine, tokenizer, dist, zero_stage: int, merge: bool = True):
         self.engine, self.tokenizer, self.dist, self.zero_stage = engine, tokenizer, dist, zero_stage
+        self.merge = merge
 
     def __call__(self, out_dir: Path) -> None:
         from backends.models.loading import save_hf
-        from backends.models.lora import is_peft, merged_copy, save_adapter
+        from backends.models.lora import ADAPTER_DIR, is_peft, merged_copy, save_adapter
 
         state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
         if not self.dist.is_main:
             return
         module = self.engine.module
-        if is_peft(module):
-            save_hf(merged_copy(module), self.tokenizer, out_dir)
-            save_adapter(module, out_dir / "adapter")
-        else:
+        if not is_peft(module):
             save_hf(module, self.tokenizer, out_dir, state_dict=state_dict)
+            return
+        if self.merge:
+            save_hf(merged_copy(module), self.tokenizer, out_dir)
+        else:
+            self.tokenizer.save_pretrained(out_dir)
+        save_adapter(module, out_dir / ADAPTER_DIR)
+
+    def adapter(self, out_dir: Path) -> None:
+        """The PEFT adapter alone (adapter_config.json + adapter_model.safetensors), rank 0."""
+        from backends.models.lora import save_adapter
+
+        if self.dist.is_main:
+            save_adapter(self.engine.module, out_dir)

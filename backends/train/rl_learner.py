@@ -17,6 +17,13 @@ The PPO ratio (``rl.loss.ratio``):
   behaviour correction itself (clipped by eps_low / eps_high), no separate IS weights and no
   extra pass.
 
+LoRA (``model.lora``): the policy is the base model wrapped with peft adapters and only they train
+(ZeRO 0-2; ZeRO-3 with LoRA is a recipe error). Each published version ``weights/v<k>/`` is the
+PEFT adapter directory alone, a fraction of the full weights, which the engines load under a
+versioned name (``backends.inference.weight_sync.EngineAdapters``); v0 is peft's initial adapter
+(B = 0), equal to the base model, so every version the engines sample from is an adapter. The KL
+reference is the same module with the adapter disabled: the base weights, with no second copy.
+
 Every rank reads the whole batch and derives the same slices, micro-batch layouts and loss
 normalisers (loss tokens / sequences of each slice), so each update's loss is normalised over its
 whole slice without communication and does not depend on how it was packed.
@@ -168,8 +175,11 @@ class Learner:
         dtype = torch_dtype(recipe.model, self.dist.device.type)
         bf16 = dtype == torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype)
-        self.reference = None
-        if rl.kl.coef > 0:
+        self.lora = recipe.model.lora
+        if self.lora is not None:
+            model = self._with_adapter(model)
+        self.reference = None  # with LoRA the reference is the policy with its adapter disabled
+        if rl.kl.coef > 0 and self.lora is None:
             self.reference = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype).to(self.dist.device).eval()
             self.reference.requires_grad_(False)
         self.engine, self.scheduler = make_engine(
@@ -182,8 +192,18 @@ class Learner:
             grad_clip=rl.grad_clip,
             bf16=bf16,
         )
-        self.export = HFExporter(self.engine, self.tokenizer, self.dist, trainer.zero_stage)
+        # LoRA checkpoints (hence final/) hold the adapter, and the merged model only on request
+        merge = self.lora is None or self.lora.merge_final
+        self.export = HFExporter(self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge)
         self.start_step = self._restore() if resume else 0
+
+    def _with_adapter(self, model):
+        """The policy wrapped with the recipe's trainable LoRA adapters (base weights frozen)."""
+        from backends.models.lora import apply_lora
+
+        if self.recipe.trainer.zero_stage == 3:  # refused when the recipe is loaded; a recipe built in code
+            raise SystemExit("LoRA with ZeRO-3 is not supported; use trainer.zero_stage <= 2")
+        return apply_lora(model, self.lora)
 
     def _restore(self) -> int:
         from backends.train.checkpoint import load_checkpoint
@@ -259,9 +279,8 @@ class Learner:
         merge_metrics(metrics, correction.metrics)
         if first_epoch:  # each sample once; vs the proximal logprobs where there are any
             merge_metrics(metrics, logprob_diff_metrics(proximal, mb.rollout_logprobs, mb.loss_mask, normalizer))
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self._logprobs(self.reference, mb)
+        if rl.kl.coef > 0:
+            ref = self._reference_logprobs(mb)
             # the corrected mask: a sequence the geometric mask rejected gets no KL gradient either
             term, kl_metrics = kl_loss(
                 logprobs, ref, correction.loss_mask, coef=rl.kl.coef, estimator=rl.kl.estimator,
@@ -270,6 +289,16 @@ class Learner:
             loss = loss + term
             merge_metrics(metrics, kl_metrics)
         return loss
+
+    def _reference_logprobs(self, mb: Tensors) -> torch.Tensor:
+        """The KL reference's logprobs: the initial model, or with LoRA the policy's own module with
+        its adapter switched off for this pass (the frozen base weights are the initial model)."""
+        with torch.no_grad():
+            if self.reference is not None:
+                return self._logprobs(self.reference, mb)
+            module = self.engine.module
+            with module.disable_adapter():
+                return self._logprobs(module, mb)
 
     def _update(self, update: Update, first_epoch: bool) -> dict[str, float]:
         """One optimizer step over one slice; its metrics summed over ranks."""
@@ -298,7 +327,10 @@ class Learner:
         if self.recipe.trainer.zero_stage == 3 or self.dist.is_main:
             if self.dist.is_main:
                 with self.exchange.publish_weights(version) as out:
-                    self.export(out)
+                    if self.lora is not None:  # the adapter alone, what the engines load
+                        self.export.adapter(out)
+                    else:
+                        self.export(out)
             else:
                 self.export(self.run_dir / ".unused")  # collective gather; rank 0 writes
         if tdist.is_initialized():

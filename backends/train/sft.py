@@ -113,12 +113,13 @@ class SFTTrainer:
     def _build_engine(self) -> None:
         from backends.models.loading import load_model, torch_dtype
         from backends.models.lora import apply_lora
+        from backends.quant.fake_quant import maybe_prepare_qat
         from backends.train.engine import make_engine
         from backends.train.schedule import schedule
 
         recipe, sft = self.recipe, self.sft
         torch.manual_seed(recipe.seed)
-        model = load_model(recipe.model, self.tokenizer, recipe.seed)
+        model = maybe_prepare_qat(load_model(recipe.model, self.tokenizer, recipe.seed), recipe.quantization, self.say)
         self.layout_kind = packed_layout_kind(model)
         if recipe.model.lora is not None:
             model = apply_lora(model, recipe.model.lora)
@@ -249,11 +250,14 @@ class SFTTrainer:
             self.say(f"final model: {paths.final} ({time.perf_counter() - self.started:.1f}s in total)")
 
     def run(self) -> None:
+        from backends.quant.export import export_after_training
+
         self.window = Window()
         for step in range(self.start_step, self.end_step):
             if not self.run_step(step):
                 break
         self.publish_final()
+        export_after_training(self.run_dir, self.recipe.quantization, self.dist, self.events, self.end_step)
         if self.events:
             self.events.close()
 

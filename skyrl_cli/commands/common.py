@@ -67,7 +67,7 @@ def load_for_run(
     recipe: str, sets: list[str] | None, stage: str | None, gpu_count: int | None = None, machine: MachineFacts | None = None
 ) -> Recipe:
     """Resolve the recipe argument (file or built-in name), load it with the ``--set`` overrides and
-    check that it has the section of the stage the command runs (``"sft"`` or ``"rl"``; other
+    check that it has the section of the stage the command runs (``STAGE_SECTIONS``; other
     stages and ``None`` check nothing). The layout is checked against ``machine`` (give the one
     the plan is built for), else this host with ``gpu_count`` GPUs (``None``: the visible ones)."""
     from skyrl_cli.plan.feasibility import load_feasible_recipe
@@ -75,9 +75,14 @@ def load_for_run(
 
     path = resolve_recipe_arg(recipe)
     loaded = load_feasible_recipe(path, sets or (), gpu_count=gpu_count, machine=machine)
-    if stage in ("sft", "rl") and getattr(loaded, stage) is None:
-        raise UsageError(f"recipe {path} has no [{stage}] section")
+    section = STAGE_SECTIONS.get(stage or "")
+    if section and getattr(loaded, section) is None:
+        raise UsageError(f"recipe {path} has no [{section}] section")
     return loaded
+
+
+# The recipe section each run command needs.
+STAGE_SECTIONS = {"sft": "sft", "rl": "rl", "quantize": "quantization"}
 
 
 def recipe_dir(recipe: str) -> Path:
@@ -115,3 +120,33 @@ def print_plan(plan, json_: bool = False) -> None:
     """``--dry-run`` output: the plan as JSON (``--json``) or indented JSON for people."""
     data = plan.model_dump(mode="json") if hasattr(plan, "model_dump") else plan
     typer.echo(json.dumps(data) if json_ else json.dumps(data, indent=2))
+
+
+def run_job(
+    recipe: Recipe, plan, directory: Path, mode: OutputMode, *, stage: str, summary_extra: dict, resume: bool,
+    overwrite: bool, interrupt_hints: dict | None = None,
+) -> dict:
+    """Run a one-job plan (the SFT trainer, the quantizer): prepare the run directory, start the job
+    under the supervisor, follow its events live, write summary.json (with ``summary_extra``). A
+    failed job raises ``LaunchError`` with the end of its log, a stop signal ``RunInterrupted``
+    (``interrupt_hints``: what its message tells the user to run next)."""
+    import time
+
+    from skyrl_cli.errors import LaunchError
+    from skyrl_cli.launch.interrupts import reported
+    from skyrl_cli.launch.supervisor import Supervisor, failure_message
+    from skyrl_cli.metrics.follow import FollowedRun
+    from skyrl_cli.rundir import RunDir
+
+    RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
+    sinks = output_sinks(mode, recipe, directory, title=stage)
+    (spec,) = plan.processes
+    started = time.monotonic()
+    with reported(stage, directory, **(interrupt_hints or {})), Supervisor(directory) as supervisor:
+        proc = supervisor.start(spec)
+        with FollowedRun(directory, sinks, summary_extra={"stage": stage, **summary_extra}) as run:
+            code = supervisor.wait_job(spec.name, on_tick=run.poll)
+            run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
+            if code != 0:
+                raise LaunchError(failure_message(f"the {spec.role} failed (exit code {code})", proc.log_path, 25))
+    return run.summary or {}

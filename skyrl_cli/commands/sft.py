@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import typer
 
 from skyrl_cli.commands import common
@@ -43,28 +41,14 @@ def register(app: typer.Typer) -> None:
 
 
 def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool, interrupt_hints: dict | None = None) -> dict:
-    """Start the trainer under the supervisor, follow its events, write summary.json; a failed
-    trainer raises ``LaunchError`` with the end of its log, a stop signal ``RunInterrupted``
-    (``interrupt_hints``: what its message tells the user to run next)."""
-    from skyrl_cli.errors import LaunchError
-    from skyrl_cli.launch.interrupts import reported
-    from skyrl_cli.launch.supervisor import Supervisor, failure_message
-    from skyrl_cli.metrics.follow import FollowedRun
+    """The SFT trainer as a job (``common.run_job``); returns the summary."""
     from skyrl_cli.rundir import RunDir
 
-    run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
-    sinks = common.output_sinks(mode, recipe, directory, title="sft")
-    (spec,) = plan.processes
-    started = time.monotonic()
-    with reported("sft", directory, **(interrupt_hints or {})), Supervisor(directory) as supervisor:
-        proc = supervisor.start(spec)
-        extra = {"stage": "sft", "final_model": str(run_dir.final)}
-        with FollowedRun(directory, sinks, summary_extra=extra) as run:
-            code = supervisor.wait_job(spec.name, on_tick=run.poll)
-            run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
-            if code != 0:
-                raise LaunchError(failure_message(f"the trainer failed (exit code {code})", proc.log_path, 25))
-    return run.summary or {}
+    extra = {"final_model": str(RunDir(directory).final)}
+    return common.run_job(
+        recipe, plan, directory, mode, stage="sft", summary_extra=extra, resume=resume, overwrite=overwrite,
+        interrupt_hints=interrupt_hints,
+    )  # fmt: skip
 
 
 def final_line(summary: dict, directory) -> str:

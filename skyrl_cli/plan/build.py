@@ -47,7 +47,23 @@ def _plan_rl(
     return plan_rl(recipe, run_dir, resume, async_mode, machine, recipe_dir=recipe_dir)
 
 
-STAGE_PLANNERS: dict[str, Planner] = {"sft": plan_sft, "rl": _plan_rl}
+def _plan_tinker(
+    recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
+) -> LaunchPlan:
+    from skyrl_cli.plan.tinker import plan_tinker
+
+    return plan_tinker(recipe, run_dir, machine)[0]
+
+
+def _plan_quantize(
+    recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
+) -> LaunchPlan:
+    from skyrl_cli.plan.quantize import plan_quantize
+
+    return plan_quantize(recipe, run_dir, resume, machine)
+
+
+STAGE_PLANNERS: dict[str, Planner] = {"sft": plan_sft, "rl": _plan_rl, "tinker": _plan_tinker, "quantize": _plan_quantize}
 
 
 def build_plan(

@@ -13,7 +13,9 @@ SFT stage trains.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Iterable
 
 from skyrl_cli.errors import UsageError
@@ -22,7 +24,7 @@ from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.trainer import trainer_device, world_size
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.recipe.validate import Problem
+from skyrl_cli.recipe.validate import Problem, resolve_path
 
 
 def load_feasible_recipe(
@@ -36,14 +38,18 @@ def load_feasible_recipe(
     from skyrl_cli.recipe.loader import load_recipe
 
     facts = machine if machine is not None else detect_machine(gpu_count)
-    return load_recipe(path, sets, checks=[lambda recipe: feasibility_problems(recipe, facts)])
+    base_dir = Path(path).resolve().parent
+    return load_recipe(path, sets, checks=[lambda recipe: feasibility_problems(recipe, facts, base_dir)])
 
 
-def feasibility_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
+def feasibility_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path | None = None) -> list[Problem]:
     """Every reason ``recipe`` cannot start on ``machine`` (lengths already resolved, see
-    ``skyrl_cli.recipe.lengths``)."""
+    ``skyrl_cli.recipe.lengths``); relative model paths resolve against ``base_dir`` (default: the
+    current directory)."""
     problems = _core_problems(recipe, machine) + _device_problems(recipe, machine)
-    return problems + _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe)
+    base_dir = base_dir or Path.cwd()
+    problems += _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe) + lora_problems(recipe, base_dir)
+    return problems + quantization_problems(recipe, base_dir)
 
 
 def assert_feasible(recipe: Recipe, machine: MachineFacts) -> None:
@@ -141,3 +147,119 @@ def _serving_problems(recipe: Recipe) -> list[Problem]:
     if lora is not None and lora.rank > VLLM_LORA_RANKS[-1]:
         problems.append(Problem(("model", "lora", "rank"), f"{lora.rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"))
     return problems
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+
+# The Linear layers of a Llama-like decoder that vLLM serves LoRA adapters on (its LoRA layers wrap
+# the attention and MLP projections; embeddings and lm_head take none).
+VLLM_LORA_LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _model_type(recipe: Recipe, base_dir: Path) -> str | None:
+    """The architecture of the recipe's model (``config.json``'s model_type); None when unknown."""
+    if recipe.model.init is not None:
+        return recipe.model.init.arch
+    config = _config_json(resolve_path(recipe.model.path, base_dir))
+    return config.get("model_type") if config else None
+
+
+def lora_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
+    """LoRA settings the trainer (ZeRO-3) or, in the RL stage, vLLM's engines cannot run."""
+    lora = recipe.model.lora
+    if lora is None or (recipe.sft is None and recipe.rl is None):
+        return []
+    problems = []
+    if recipe.trainer.zero_stage == 3:
+        problems.append(Problem(("trainer", "zero_stage"), "3: LoRA trains with ZeRO stages 0-2 (peft's frozen base "
+                                                          "weights under ZeRO-3 are not supported); use 0, 1 or 2"))  # fmt: skip
+    if recipe.rl is not None and _model_type(recipe, base_dir) in LLAMA_LIKE:
+        unserved = [t for t in lora.target_modules if t.split(".")[-1] not in VLLM_LORA_LLAMA_MODULES]
+        if unserved:
+            why = (f"{', '.join(unserved)}: vLLM serves LoRA adapters only on {', '.join(VLLM_LORA_LLAMA_MODULES)} "
+                   "of this architecture; remove the others")  # fmt: skip
+            problems.append(Problem(("model", "lora", "target_modules"), why))
+    return problems
+
+
+# ------------------------------------------------------------------------------------ quantization
+
+# Architectures whose decoder Linear layers are Llama's (names and input widths below).
+LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def _config_json(model_dir: Path) -> dict | None:
+    try:
+        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _llama_shape(recipe: Recipe, base_dir: Path) -> dict | None:
+    """hidden / intermediate / attention widths and layer count of the model ``skyrl quantize``
+    starts from (``quantization.init_from``, else the recipe's model); None when unknown."""
+    init, source = recipe.model.init, recipe.quantization.init_from
+    if source == "sft" and init is not None:
+        return {"hidden": init.hidden_size, "intermediate": init.intermediate_size or 4 * init.hidden_size,
+                "attention": init.hidden_size, "layers": init.layers}  # fmt: skip
+    config = _config_json(resolve_path(recipe.model.path if source == "sft" else source, base_dir))
+    if not config or config.get("model_type") not in LLAMA_LIKE:
+        return None
+    try:
+        heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+        attention = heads * int(config.get("head_dim") or hidden // heads)
+        return {"hidden": hidden, "intermediate": int(config["intermediate_size"]), "attention": attention,
+                "layers": int(config["num_hidden_layers"])}  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def llama_linear_inputs(shape: dict) -> dict[str, int]:
+    """Input width of every decoder Linear layer of a Llama-like model, by module name."""
+    widths = {"self_attn.q_proj": "hidden", "self_attn.k_proj": "hidden", "self_attn.v_proj": "hidden",
+              "self_attn.o_proj": "attention", "mlp.gate_proj": "hidden", "mlp.up_proj": "hidden",
+              "mlp.down_proj": "intermediate"}  # fmt: skip
+    return {f"model.layers.{i}.{name}": shape[key] for i in range(shape["layers"]) for name, key in widths.items()}
+
+
+def _target_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
+    from skyrl_cli.recipe.schema import FULL_PRECISION_LAYERS
+
+    quant = recipe.quantization
+    kept = [t for t in quant.targets if t.split(".")[-1] in FULL_PRECISION_LAYERS]
+    if kept:
+        return [Problem(("quantization", "targets"), f"{', '.join(kept)} stays in full precision (the W4A16 export "
+                                                     "quantizes the decoder's Linear layers); remove it")]  # fmt: skip
+    shape = _llama_shape(recipe, base_dir)
+    if shape is None:  # an architecture we do not know: the quantizer checks it at its start
+        return []
+    chosen = {name: width for name, width in llama_linear_inputs(shape).items() if quant.selects(name)}
+    if not chosen:
+        return [Problem(("quantization", "targets"), f"{list(quant.targets)} select no Linear layer of the model "
+                                                     "(its layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")]  # fmt: skip
+    bad: dict[int, list[str]] = {}
+    for name, width in chosen.items():
+        layer = name.rsplit(".", 1)[-1]
+        if width % quant.group_size and layer not in bad.setdefault(width, []):
+            bad[width].append(layer)
+    return [
+        Problem(("quantization", "group_size"), f"{quant.group_size} does not divide the input width {width} of {', '.join(layers)}")
+        for width, layers in sorted(bad.items())
+        if layers
+    ]
+
+
+def quantization_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
+    """What INT4 quantization (a ``[quantization]`` section) cannot do with this recipe."""
+    quant = recipe.quantization
+    if quant is None:
+        return []
+    problems = []
+    if recipe.model.lora is not None:
+        problems.append(Problem(("model", "lora"), "INT4 quantization fine-tunes and exports all weights, not LoRA "
+                                                   "adapters; remove model.lora or the [quantization] section"))  # fmt: skip
+    if quant.init_from == "sft" and recipe.sft is None:
+        why = '"sft" is this recipe\'s SFT output, but the recipe has no [sft] section; give a checkpoint directory'
+        problems.append(Problem(("quantization", "init_from"), why))
+    return problems + _target_problems(recipe, base_dir)

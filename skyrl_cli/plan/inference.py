@@ -112,7 +112,9 @@ def engine_dtype(recipe: Recipe, machine: Machine) -> str:
     return "bfloat16" if machine.device != "cpu" or machine.cpu_bf16 else "float32"
 
 
-def engine_argv(recipe: Recipe, machine: Machine, port: int, model_dir: str, index: int = 0) -> tuple[str, ...]:
+def engine_argv(
+    recipe: Recipe, machine: Machine, port: int, model_dir: str, index: int = 0, async_mode: bool = False
+) -> tuple[str, ...]:
     inf = recipe.inference
     argv = [
         machine.python, "-m", "backends.inference.serve", str(model_dir),
@@ -144,8 +146,18 @@ def engine_argv(recipe: Recipe, machine: Machine, port: int, model_dir: str, ind
         argv += ["--speculative-config", speculative_config_json(inf.speculative)]
     if recipe.model.lora is not None:
         rank = vllm_lora_rank(recipe.model.lora.rank)
-        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(max_loras(recipe, async_mode))]
     return tuple(argv)
+
+
+def max_loras(recipe: Recipe, async_mode: bool) -> int:
+    """Adapters an RL engine may hold at once (``--max-loras``). Each policy version is an adapter
+    of its own name, and an old one is unloaded only once no request in flight names it
+    (``backends.inference.weight_sync.EngineAdapters``): requests may still run on every version
+    the staleness bound admits (the current one and ``max_staleness`` before it; 0 in sync mode)
+    while the next one is loaded, hence ``max_staleness + 2`` (sync: 2)."""
+    staleness = recipe.rl.async_.max_staleness if async_mode and recipe.rl is not None else 0
+    return staleness + 2
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -179,9 +191,12 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
     return env, tuple(f"cuda:{g}" for g in gpus)
 
 
-def engine_specs(recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str) -> list[ProcessSpec]:
+def engine_specs(
+    recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str, async_mode: bool = False
+) -> list[ProcessSpec]:
     """One ProcessSpec per local engine (``recipe.inference.engines`` of them). The devices fit:
-    ``skyrl_cli.plan.feasibility`` checked them when the recipe was loaded."""
+    ``skyrl_cli.plan.feasibility`` checked them when the recipe was loaded. ``async_mode``: the RL
+    stage runs with ``--async`` (more LoRA versions may be live at once, see ``max_loras``)."""
     # A loaded recipe passes through unchanged; one built in code (tests, benchmarks) gets the
     # length defaults the loader would have given it.
     recipe = with_model_lengths(recipe)
@@ -195,7 +210,7 @@ def engine_specs(recipe: Recipe, machine: Machine, ports: Sequence[int], model_d
             ProcessSpec(
                 name=engine_name(index),
                 role="engine",
-                argv=engine_argv(recipe, machine, port, model_dir, index),
+                argv=engine_argv(recipe, machine, port, model_dir, index, async_mode),
                 env=env,
                 devices=devices,
                 ports=(port,),

@@ -25,7 +25,7 @@ class ReadinessCheck(Frozen):
 
 class ProcessSpec(Frozen):
     name: str = Field(description="Unique name; the log is logs/<name>.log.")
-    role: Literal["engine", "router", "trainer", "orchestrator", "server"]
+    role: Literal["engine", "router", "trainer", "orchestrator", "server", "quantizer"]
     argv: tuple[str, ...]
     env: dict[str, str] = Field(default_factory=dict, description="Added to the driver's environment.")
     devices: tuple[str, ...] = Field((), description="Devices this process owns (cpu:N cores or cuda:N).")
@@ -36,7 +36,7 @@ class ProcessSpec(Frozen):
 
 
 class LaunchPlan(Frozen):
-    stage: Literal["sft", "rl"]  # a stage is listed here once it has a planner (plan.build.STAGE_PLANNERS)
+    stage: Literal["sft", "rl", "tinker", "quantize"]  # a stage is listed here once it has a planner (plan.build.STAGE_PLANNERS)
     run_dir: str
     device: Literal["cpu", "cuda"]
     resume: bool = False

@@ -77,7 +77,7 @@ def plan_rl(
     inf_machine = inference_machine(recipe, machine, device)
     ports = machine.free_ports(inf.engines + 3)
     engine_ports, (router_port, prometheus_port, rdzv_port) = ports[: inf.engines], ports[inf.engines :]
-    engines = engine_specs(recipe, inf_machine, engine_ports, str(init_from))
+    engines = engine_specs(recipe, inf_machine, engine_ports, str(init_from), async_mode)
     urls = all_engine_urls(recipe, inf_machine, engine_ports)
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
     router_url = engine_url(inf_machine, router_port)

@@ -65,6 +65,11 @@ class LoraConfig(Section):
     target_modules: tuple[str, ...] = Field(
         ("q_proj", "k_proj", "v_proj", "o_proj"), description="Module names that get adapters."
     )
+    merge_final: bool = Field(
+        False,
+        description="RL stage: final/ holds the adapter in final/adapter/ and, when true, also the merged model "
+        "(final/ itself is then an HF model directory, as after LoRA SFT, which always merges).",
+    )
 
 
 class ModelConfig(Section):
@@ -311,9 +316,37 @@ class TrainerConfig(Section):
         return self
 
 
+ALL_LINEAR = "all-linear"
+# Never quantized: the output head and the embeddings (the W4A16 format lists them in its ignore).
+FULL_PRECISION_LAYERS = ("lm_head", "embed_tokens")
+
+
 class QuantizationConfig(Section):
-    int4_qat: bool = Field(False, description="INT4 fake-quant (group-symmetric) during training.")
-    group_size: Literal[32, 64, 128] = Field(32, description="Quantization group size.")
+    """INT4 weight-only quantization (symmetric, per group): ``skyrl quantize`` exports a
+    compressed-tensors W4A16 checkpoint that vLLM serves."""
+
+    int4_qat: bool = Field(
+        False,
+        description="Train the [sft] stage under INT4 fake-quant and export it as INT4 too "
+        "(skyrl quantize --int4-qat does this whatever the value).",
+    )
+    group_size: Literal[32, 64, 128] = Field(32, description="Quantization group size; must divide every target's input width.")
+    targets: tuple[str, ...] = Field(
+        (ALL_LINEAR,),
+        description='Linear layers to quantize: "all-linear", or parts of module names ("q_proj", "mlp.down_proj", '
+        '"mlp": every Linear under mlp). lm_head and the embeddings always stay in full precision.',
+    )
+    init_from: str = Field(
+        "sft", description='What skyrl quantize starts from: "sft" (this recipe\'s SFT output) or a checkpoint directory.'
+    )
+
+    def selects(self, layer: str) -> bool:
+        """Whether the Linear layer named ``layer`` (e.g. ``model.layers.0.mlp.down_proj``) is a target:
+        the one definition of ``targets``, for the recipe checks and the backends alike."""
+        if layer.split(".")[-1] in FULL_PRECISION_LAYERS:
+            return False
+        dotted = f".{layer}."  # whole name parts: "mlp" matches every layer under an mlp, never "mlp2"
+        return any(t == ALL_LINEAR or f".{t}." in dotted for t in self.targets)
 
 
 class WandbConfig(Section):
@@ -327,6 +360,50 @@ class LoggingConfig(Section):
     log_every: PositiveInt = Field(10, description="Training metrics every k steps.")
 
 
+# ------------------------------------------------------------------------------------------- tinker
+
+
+class TinkerConfig(Section):
+    """Tinker-API server (``skyrl tinker serve``): LoRA training and sampling on the recipe's
+    ``[model]`` (``model.path``) for clients of the official ``tinker`` SDK."""
+
+    base_model: str | None = Field(
+        None,
+        description="The name clients pass as base_model (the model.path string is accepted too). "
+        "Unset: the model directory's name.",
+    )
+    host: str = Field("127.0.0.1", description="Address the API server binds; only this one.")
+    port: Annotated[int, Field(ge=1024, le=65535)] = Field(8000, description="API server port.")
+    max_lora_rank: Annotated[int, Field(ge=1, le=512)] = Field(32, description="Largest LoRA rank a client may ask for.")
+    max_live_adapters: Annotated[int, Field(ge=1, le=256)] = Field(
+        8, description="Training adapters held at once (over all clients); also the engines' --max-loras."
+    )
+    api_keys: tuple[Annotated[str, Field(pattern=r"^tml-[A-Za-z0-9_.-]{1,200}$")], ...] = Field(
+        (), description="Accepted API keys (the SDK requires the tml- prefix); each key is one isolated client."
+    )
+    api_keys_env: str = Field(
+        "SKYRL_TINKER_API_KEYS", description="Environment variable with more accepted keys, comma-separated."
+    )
+    storage_dir: str | None = Field(
+        None,
+        description="Database and checkpoints (a relative path: from the directory skyrl runs in). "
+        "Unset: <run dir>/storage (runs/<name>/tinker/storage).",
+    )
+    max_request_bytes: Annotated[int, Field(ge=1024, le=2**31)] = Field(
+        64 * 2**20, description="Largest request body (after decompression); bigger ones get 413."
+    )
+    max_datums_per_request: PositiveInt = Field(4096, description="Most datums in one forward_backward request.")
+    max_sequence_tokens: PositiveInt | None = Field(
+        None, description="Longest datum or prompt + max_tokens. Unset: inference.max_model_len."
+    )
+    max_batch_tokens: PositiveInt = Field(
+        32768, description="Token budget of one batched forward/backward pass over all adapters."
+    )
+    long_poll_s: Annotated[float, Field(gt=0, le=39)] = Field(
+        20.0, description="How long retrieve_future waits for a result before answering try_again."
+    )
+
+
 # ------------------------------------------------------------------------------------------- recipe
 
 
@@ -338,18 +415,22 @@ class Recipe(Section):
     )
     seed: NonNegativeInt = Field(0, description="Seed for data generation, sampling and init.")
     model: ModelConfig
-    data: DataConfig
+    # Required by the sft and rl stages (checked below); a [tinker]-only recipe needs none.
+    data: DataConfig = Field(default_factory=lambda: DataConfig(task="addition"))
     sft: SftConfig | None = None
     rl: RlConfig | None = None
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    quantization: QuantizationConfig | None = Field(None, description="INT4 quantization (skyrl quantize).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tinker: TinkerConfig | None = Field(None, description="Tinker-API server (skyrl tinker serve).")
 
     @model_validator(mode="after")
     def _some_stage(self) -> "Recipe":
-        if self.sft is None and self.rl is None:
-            raise ValueError("a recipe needs an [sft] or an [rl] section")
+        if self.sft is None and self.rl is None and self.tinker is None:
+            raise ValueError("a recipe needs an [sft], an [rl] or a [tinker] section")
+        if (self.sft is not None or self.rl is not None) and "data" not in self.model_fields_set:
+            raise ValueError("an [sft] or [rl] stage needs a [data] section")
         if self.model.tokenizer == "char" and self.model.init is None:
             raise ValueError('model.tokenizer = "char" only goes with model.init (a new tiny model)')
         return self

@@ -32,10 +32,12 @@ class NotYetImplemented:
 
 
 NOT_YET_IMPLEMENTED: tuple[NotYetImplemented, ...] = (
-    NotYetImplemented("quantization.int4_qat", lambda r: r.quantization.int4_qat, "INT4 QAT", "quantization.int4_qat=true"),
-    # LoRA trains in the SFT stage; the RL learner and the engines' adapter sync do not use it yet.
+    # INT4 QAT runs in the SFT stage and skyrl quantize; the RL learner and INT4 rollouts do not use it yet.
     NotYetImplemented(
-        "model.lora", lambda r: r.model.lora is not None and r.rl is not None, "LoRA in the RL stage", "model.lora={rank=8}"
+        "quantization.int4_qat",
+        lambda r: r.quantization is not None and r.quantization.int4_qat and r.rl is not None,
+        "INT4 QAT in the RL stage",
+        "quantization.int4_qat=true",
     ),
 )
 
@@ -58,6 +60,7 @@ PATH_KEYS: dict[tuple[str, ...], frozenset[str]] = {
     ("data", "train"): frozenset(),
     ("data", "eval"): frozenset(),
     ("rl", "init_from"): frozenset({"sft"}),
+    ("quantization", "init_from"): frozenset({"sft"}),
     ("inference", "speculative", "model"): frozenset(),
 }
 

@@ -28,9 +28,10 @@ def expectations(path: Path) -> tuple[list[str], list[str]]:
 def test_corpus_covers_every_kind_of_problem():
     names = {p.stem for p in BROKEN}
     assert {"syntax_error", "unknown_key", "wrong_type", "out_of_range", "missing_file", "impossible_layout"} <= names
-    # Every check the planner used to be the first to make (skyrl_cli.recipe.feasibility now).
+    # Every check the planner used to be the first to make (skyrl_cli.plan.feasibility now).
     assert {"vllm_head_size", "model_length_over_config", "tensor_parallel_on_cpu", "cuda_without_gpu", "missing_gpu",
-            "engines_need_gpus", "rl_batch_too_small", "batch_too_small", "lora_rank_too_high"} <= names  # fmt: skip
+            "engines_need_gpus", "rl_batch_too_small", "batch_too_small", "lora_rank_too_high",
+            "lora_target_vllm_cannot_serve", "lora_with_zero3"} <= names  # fmt: skip
     assert all(expectations(p)[0] for p in BROKEN)
 
 

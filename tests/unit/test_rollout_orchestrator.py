@@ -60,12 +60,23 @@ from skyrl_cli.recipe.schema import Recipe  # noqa: E402
 class FakeEngines:
     """Records what the orchestrator loads; the fake client samples with the version loaded last."""
 
+    lora = False
+
     def __init__(self):
         self.version = "unlabelled"
         self.loads: list[tuple[int, str]] = []
 
     async def label_initial(self):
         self.version = "0"
+
+    def model_name(self, version):
+        return "policy"
+
+    async def retire(self, in_flight):
+        return []
+
+    def held(self):
+        return frozenset()
 
     async def load(self, version, weights_dir):
         self.loads.append((version, weights_dir.name))
@@ -77,8 +88,10 @@ class RecordingClient:
     """Answers each prompt ``a+b=`` with the sum on every other request, else with "0"."""
 
     max_model_len = None
+    model = "policy"
 
     def __init__(self, tokenizer, engines):
+        self.in_flight: dict[str, int] = {}
         self.tokenizer, self.engines = tokenizer, engines
         self.requests: list[tuple[str, int]] = []  # (session id, samples asked)
         self.finished: list[str] = []
@@ -172,3 +185,75 @@ def test_the_orchestrator_feeds_every_step_and_loads_every_version(tmp_path, asy
     # Every session the orchestrator opened through the router was released.
     opened = {sid for sid, _ in client.requests}
     assert opened <= set(client.finished)
+
+
+class AdapterClient(RecordingClient):
+    """Samples with the adapter its requests name (the client's ``model`` at request time), and
+    counts requests in flight per name like ``RolloutClient``."""
+
+    async def generate(self, prompt_ids, session_id, max_tokens, temperature=1.0, n=1, **kw):
+        from backends.rollout.client import adapter_spans
+
+        model = self.model
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        try:
+            await asyncio.sleep(0.001)  # a request in flight while the next version may load
+            self.requests.append((session_id, n))
+            assert model in self.loaded_names(), f"request for {model}, not loaded"
+            return adapter_spans([self._answer(prompt_ids) for _ in range(n)], model)
+        finally:
+            self.in_flight[model] -= 1
+            if not self.in_flight[model]:
+                del self.in_flight[model]
+
+    def loaded_names(self):
+        from backends.inference.weight_sync import adapter_name
+
+        return {adapter_name(v) for v in self.engines.loaded}
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_lora_versions_are_adapters_loaded_by_name_and_unloaded_when_idle(tmp_path, monkeypatch, async_mode):
+    """The real ``EngineAdapters`` bookkeeping over fake admin calls: every version (v0 too) is loaded
+    under its own name, requests name the current one, old ones are unloaded once idle and their
+    directories deleted only after that, and the tokens' versions are the adapters' versions."""
+    from pathlib import Path
+
+    from backends.inference import weight_sync
+    from backends.inference.weight_sync import EngineAdapters, read_current_weights
+
+    calls: list[tuple[str, str]] = []
+
+    async def fake_load(urls, name, path, version, *, load_inplace=True, **kw):
+        assert not load_inplace and Path(path).is_dir()
+        calls.append(("load", name))
+        return weight_sync.WeightSyncResult(str(version), 0.0)
+
+    async def fake_unload(urls, name, http=None):
+        calls.append(("unload", name))
+
+    monkeypatch.setattr(weight_sync, "sync_lora_adapter", fake_load)
+    monkeypatch.setattr(weight_sync, "unload_lora_adapter", fake_unload)
+    orchestrator, _, _, _, exchange = _orchestrator(tmp_path, async_mode)
+    engines = EngineAdapters(["http://e0"], tmp_path)
+    engines.version = "99"  # the engine-global label the fake reports: the adapter's name must win
+    client = AdapterClient(orchestrator.tokenizer, engines)
+    orchestrator.engines, orchestrator.open_client = engines, lambda: client
+    batches: list[dict] = []
+    learner = threading.Thread(target=_learner, args=(exchange, 3, batches), daemon=True)
+    learner.start()
+    asyncio.run(asyncio.wait_for(orchestrator.run(first_version_timeout_s=30), timeout=60))
+    learner.join(timeout=30)
+
+    loads = [name for op, name in calls if op == "load"]
+    assert loads[0] == "policy-v0" and loads[-1] == "policy-v3" and client.model == "policy-v3"
+    unloaded = [name for op, name in calls if op == "unload"]
+    assert set(unloaded) | {"policy-v3"} >= set(loads) - {f"policy-v{v}" for v in engines.loaded}
+    assert len(engines.loaded) <= (1 if async_mode else 0) + 2  # the plan's --max-loras
+    # A directory is gone only once its adapter is unloaded; the loaded ones stay.
+    assert {v for v, _ in exchange.paths.weight_versions()} == engines.loaded | {3}
+    assert read_current_weights(tmp_path).lora_name == "policy-v3"
+    for batch in batches:  # versions as exact as with full weights
+        for sample in batch["samples"]:
+            lag = batch["step"] - min(sample["policy_versions"])
+            assert lag == 0 if not async_mode else 0 <= lag <= 1, (batch["step"], sample["policy_versions"])

@@ -1,0 +1,75 @@
+"""The FastAPI app of the Tinker API (what SDK 0.38 calls): routes, error answers, background tasks.
+
+Every route but ``/api/v1/healthz`` needs ``X-API-Key`` with one of the configured keys; the key
+is the client's identity (``owner``), and a client only ever sees its own sessions, models,
+samplers, checkpoints and futures (others' are answered 404, as if absent). Malformed, oversized
+or out-of-range bodies get a 4xx whose message names the problem; features this server does not
+implement are refused the same way, by name.
+
+The routes live in ``routes_*.py`` by concern, and share ``routes_common.ApiContext``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from backends.tinker import (
+    routes_checkpoints,
+    routes_futures,
+    routes_sampling,
+    routes_session,
+    routes_training,
+    routes_unsupported,
+)
+from backends.tinker.routes_common import UNLOAD_SEQ, ApiContext, HttpError
+from backends.tinker.service import TinkerService
+
+__all__ = ["UNLOAD_SEQ", "HttpError", "create_app"]
+
+log = logging.getLogger(__name__)
+ROUTERS = (routes_session, routes_training, routes_unsupported, routes_sampling, routes_futures, routes_checkpoints)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """Binds the service to the server's event loop, opens the sampler and runs the session reaper."""
+    ctx: ApiContext = app.state.api
+    service, cfg = ctx.service, ctx.cfg
+    service.notifier.loop = asyncio.get_running_loop()
+    if cfg.sample_url and service.sampler is None:
+        from backends.tinker.sampling import Sampler
+
+        service.sampler = Sampler(cfg.sample_url, cfg.engine_urls)
+    reaper = asyncio.get_running_loop().create_task(routes_session.reap_sessions(ctx))
+    try:
+        yield
+    finally:
+        reaper.cancel()
+        if service.sampler is not None:
+            await service.sampler.aclose()
+            service.sampler = None
+
+
+async def _http_error(request: Request, err: HttpError):
+    return JSONResponse({"detail": err.message, "error": err.message}, status_code=err.status)
+
+
+async def _internal_error(request: Request, err: Exception):
+    log.exception("internal error on %s", request.url.path)
+    return JSONResponse({"detail": f"internal error: {type(err).__name__}"}, status_code=500)
+
+
+def create_app(service: TinkerService) -> FastAPI:
+    app = FastAPI(title="skyrl tinker", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
+    app.state.service = service
+    app.state.api = ApiContext(service)
+    app.add_exception_handler(HttpError, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    for module in ROUTERS:
+        app.include_router(module.router)
+    return app
