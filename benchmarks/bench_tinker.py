@@ -89,33 +89,19 @@ def datums(types, seq_len: int, count: int, offset: int):
     return out
 
 
-def run_training(url: str, clients: int, steps: int, seq_len: int, per_step: int) -> float:
-    """Aggregate optimizer steps/s of ``clients`` concurrent SDK clients (after one warm-up step)."""
-    import tinker
-    from tinker import types
-
+def timed_clients(clients: int, work) -> float:
+    """Seconds the timed part of ``work(index, ready)`` takes over ``clients`` concurrent threads:
+    each thread sets up and warms up, calls ``ready()``, then does the timed work; the clock runs
+    from the moment every thread is ready to the moment the last one is done."""
     barrier = threading.Barrier(clients + 1)
     done = threading.Barrier(clients + 1)
     errors: list[BaseException] = []
 
     def client(index: int) -> None:
         try:
-            with tinker.ServiceClient(base_url=url, api_key=KEYS[index]) as sc:
-                tc = sc.create_lora_training_client(base_model="bench", rank=8).result()
-                data = datums(types, seq_len, per_step, index * 5)
-
-                def step():
-                    fb = tc.forward_backward(data, "cross_entropy")
-                    opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
-                    fb.result()
-                    opt.result()
-
-                step()
-                barrier.wait()
-                for _ in range(steps):
-                    step()
-                done.wait()
-        except BaseException as err:  # noqa: BLE001
+            work(index, barrier.wait)
+            done.wait()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
             errors.append(err)
             barrier.abort()
             done.abort()
@@ -131,7 +117,31 @@ def run_training(url: str, clients: int, steps: int, seq_len: int, per_step: int
         t.join()
     if errors:
         raise errors[0]
-    return clients * steps / elapsed
+    return elapsed
+
+
+def run_training(url: str, clients: int, steps: int, seq_len: int, per_step: int) -> float:
+    """Aggregate optimizer steps/s of ``clients`` concurrent SDK clients (after one warm-up step)."""
+    import tinker
+    from tinker import types
+
+    def work(index: int, ready) -> None:
+        with tinker.ServiceClient(base_url=url, api_key=KEYS[index]) as sc:
+            tc = sc.create_lora_training_client(base_model="bench", rank=8).result()
+            data = datums(types, seq_len, per_step, index * 5)
+
+            def step():
+                fb = tc.forward_backward(data, "cross_entropy")
+                opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+                fb.result()
+                opt.result()
+
+            step()
+            ready()
+            for _ in range(steps):
+                step()
+
+    return clients * steps / timed_clients(clients, work)
 
 
 def _process_client(index, url, steps, seq_len, per_step, barrier, done, out):
@@ -178,43 +188,23 @@ def run_training_processes(url: str, clients: int, steps: int, seq_len: int, per
 
 
 def run_sampling(url: str, clients: int, requests: int, max_tokens: int) -> float:
+    """Aggregate sample requests/s of ``clients`` concurrent SDK clients (after one warm-up request)."""
     import tinker
     from tinker import types
 
-    barrier = threading.Barrier(clients + 1)
-    done = threading.Barrier(clients + 1)
-    errors: list[BaseException] = []
+    def work(index: int, ready) -> None:
+        with tinker.ServiceClient(base_url=url, api_key=KEYS[index]) as sc:
+            tc = sc.create_lora_training_client(base_model="bench", rank=8).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            prompt = types.ModelInput.from_ints([7 + (index + i) % 36 for i in range(16)])
+            params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
+            sampler.sample(prompt, 1, params).result()
+            ready()
+            futures = [sampler.sample(prompt, 1, params) for _ in range(requests)]
+            for f in futures:
+                f.result()
 
-    def client(index: int) -> None:
-        try:
-            with tinker.ServiceClient(base_url=url, api_key=KEYS[index]) as sc:
-                tc = sc.create_lora_training_client(base_model="bench", rank=8).result()
-                sampler = tc.save_weights_and_get_sampling_client().result()
-                prompt = types.ModelInput.from_ints([7 + (index + i) % 36 for i in range(16)])
-                params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
-                sampler.sample(prompt, 1, params).result()
-                barrier.wait()
-                futures = [sampler.sample(prompt, 1, params) for _ in range(requests)]
-                for f in futures:
-                    f.result()
-                done.wait()
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
-            barrier.abort()
-            done.abort()
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    started = time.perf_counter()
-    done.wait()
-    elapsed = time.perf_counter() - started
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return clients * requests / elapsed
+    return clients * requests / timed_clients(clients, work)
 
 
 def main() -> None:

@@ -100,3 +100,19 @@ def test_every_stage_a_plan_names_has_a_planner():
     from skyrl_cli.plan.model import LaunchPlan
 
     assert set(typing.get_args(LaunchPlan.model_fields["stage"].annotation)) == set(STAGE_PLANNERS)
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_is_longer_than_60_lines():
+    """Small functions with names that explain themselves (nested ones count on their own)."""
+    long = []
+    for package in ("skyrl_cli", "backends"):
+        for path in sources(package):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{module_name(path)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []
