@@ -120,31 +120,9 @@ def timed_clients(clients: int, work) -> float:
     return elapsed
 
 
-def run_training(url: str, clients: int, steps: int, seq_len: int, per_step: int) -> float:
-    """Aggregate optimizer steps/s of ``clients`` concurrent SDK clients (after one warm-up step)."""
-    import tinker
-    from tinker import types
-
-    def work(index: int, ready) -> None:
-        with tinker.ServiceClient(base_url=url, api_key=KEYS[index]) as sc:
-            tc = sc.create_lora_training_client(base_model="bench", rank=8).result()
-            data = datums(types, seq_len, per_step, index * 5)
-
-            def step():
-                fb = tc.forward_backward(data, "cross_entropy")
-                opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
-                fb.result()
-                opt.result()
-
-            step()
-            ready()
-            for _ in range(steps):
-                step()
-
-    return clients * steps / timed_clients(clients, work)
-
-
-def _process_client(index, url, steps, seq_len, per_step, barrier, done, out):
+def train_client(index: int, url: str, steps: int, seq_len: int, per_step: int, ready) -> None:
+    """One SDK client: a LoRA of its own, one warm-up step, ``ready()``, then ``steps`` timed steps
+    (forward_backward + optim_step each). Used by the thread and the process variants alike."""
     import tinker
     from tinker import types
 
@@ -159,10 +137,23 @@ def _process_client(index, url, steps, seq_len, per_step, barrier, done, out):
             opt.result()
 
         step()
-        barrier.wait()
+        ready()
         for _ in range(steps):
             step()
-        done.wait()
+
+
+def run_training(url: str, clients: int, steps: int, seq_len: int, per_step: int) -> float:
+    """Aggregate optimizer steps/s of ``clients`` concurrent SDK clients (after one warm-up step)."""
+
+    def work(index: int, ready) -> None:
+        train_client(index, url, steps, seq_len, per_step, ready)
+
+    return clients * steps / timed_clients(clients, work)
+
+
+def _process_client(index, url, steps, seq_len, per_step, barrier, done, out):
+    train_client(index, url, steps, seq_len, per_step, barrier.wait)
+    done.wait()
     out.put(index)
 
 
