@@ -6,6 +6,10 @@ Works the same on one machine and on a shared file system across nodes:
 - ``weights/v<k>/``: the policy after k optimizer steps (HF safetensors + config; with LoRA the
   PEFT adapter only: adapter_config.json + adapter_model.safetensors), written by the trainer's rank 0; ``v0`` is the initial policy. ``weights/LATEST`` names the newest version.
 - ``control/stop``: written by either side to ask the other to stop (e.g. after a failure).
+- NCCL weight sync (``backends.inference.nccl_sync``): ``weights/v<k>/`` holds only
+  ``transfer.json`` (the weights come over NCCL); the orchestrator pauses the engines and writes
+  ``control/transfer-v<k>.ready``, the learner broadcasts and writes ``control/transfer-v<k>.done``
+  (``{"seconds": s}`` or ``{"error": why}``), the orchestrator labels the version and resumes.
 
 Every file or directory appears complete or not at all (``skyrl_cli.atomic``: written under a
 ``.tmp-`` name in the same directory, fsynced and renamed into place).
@@ -85,6 +89,34 @@ class RunExchange:
         for published, path in self.paths.weight_versions():
             if published < version and published not in kept:
                 shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ NCCL transfers
+    def publish_transfer(self, version: int) -> None:
+        """Announce ``version`` as one that comes over NCCL: a ``weights/v<k>/`` with no weights."""
+        with self.publish_weights(version) as out:
+            write_json(out / self.paths.transfer_marker(version).name, {"via": "nccl", "version": version})
+
+    def is_transfer(self, version: int) -> bool:
+        return self.paths.transfer_marker(version).exists()
+
+    def mark_transfer_ready(self, version: int) -> None:
+        write_text(self.paths.transfer_ready(version), str(version))
+
+    def wait_transfer_ready(self, version: int, timeout_s: float | None = None) -> None:
+        self._wait_for(self.paths.transfer_ready(version).exists, f"engines paused for v{version}", timeout_s, 0.01)
+
+    def finish_transfer(self, version: int, outcome: dict[str, Any]) -> None:
+        write_json(self.paths.transfer_done(version), outcome, indent=None)
+
+    def wait_transfer_done(self, version: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """The learner's outcome for ``version``; both handshake files are removed once read."""
+        done = self.paths.transfer_done(version)
+        self._wait_for(done.exists, f"NCCL transfer of v{version}", timeout_s, 0.01)
+        outcome = json.loads(done.read_text())
+        for path in (self.paths.transfer_ready(version), done):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return outcome
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str) -> None:

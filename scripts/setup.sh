@@ -16,6 +16,29 @@ EXTRAS="${SKYRL_EXTRAS:-cpu,dev}"
 TORCH_VERSION="2.13.0"
 STAMP="$VENV/.skyrl-setup.stamp"
 
+# Headless Chromium (Debian's package) for the browser test of `skyrl runs report`
+# (tests/integration/test_runs_report.py). Installed only when missing; never fatal: without apt-get
+# or root that test skips and says why. SKYRL_NO_CHROMIUM=1 leaves it out.
+install_chromium() {
+    if command -v chromium >/dev/null || command -v chromium-browser >/dev/null || [[ -n "${SKYRL_NO_CHROMIUM:-}" ]]; then
+        return 0
+    fi
+    local as_root=()
+    if [[ "$(id -u)" != 0 ]]; then
+        if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then as_root=(sudo -n); else
+            echo "setup: no root for apt-get: the report's browser test will skip (apt-get install -y chromium)" >&2; return 0
+        fi
+    fi
+    if ! command -v apt-get >/dev/null; then
+        echo "setup: no apt-get: the report's browser test will skip (install Chromium to run it)" >&2; return 0
+    fi
+    echo "setup: installing chromium (apt-get)"
+    if ! { "${as_root[@]}" apt-get update -qq && "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1; then
+        echo "setup: apt-get install chromium failed: the report's browser test will skip" >&2
+    fi
+}
+install_chromium
+
 want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1) $EXTRAS"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/skyrl" ]]; then
     echo "setup: $VENV is up to date"

@@ -6,9 +6,13 @@ without torchrun (its MASTER_PORT) and the tests all use ``find_free_ports``.
 
 from __future__ import annotations
 
+import errno
 import random
+import resource
 import socket
 from pathlib import Path
+
+from skyrl_cli.errors import UsageError
 
 PORT_FLOOR = 10000
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -50,6 +54,12 @@ def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
+    except OSError as err:
+        if err.errno != errno.EMFILE:
+            raise
+        # Every port is held by an open socket while choosing: a plan with many engines needs as many files.
+        raise UsageError(f"{n} free ports are needed at once, more than this process may open "
+                         f"(open-file limit, ulimit -n {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})") from None  # fmt: skip
     finally:
         for s in socks:
             s.close()

@@ -7,15 +7,21 @@ Layout (the machine-readable contract of a run, documented in README.md)::
     logs/<process>.log            stdout+stderr of each process
     events.jsonl                  MetricEvents (skyrl_cli.metrics.events)
     summary.json                  final figures (skyrl_cli.metrics.summary)
+    sample_errors.jsonl           RL: one record per sample whose reward or environment failed (reward 0)
     checkpoints/step-<n>/         complete once trainer_state.json is in it (backends.train.checkpoint)
     final/                        the stage's model, built at .tmp-final and published whole
-    int4/                         INT4 W4A16 export (compressed-tensors; skyrl quantize, int4_qat), via .tmp-int4
+    int4/                         INT4 W4A16 export (compressed-tensors; skyrl quantize, int4_qat; RL with
+                                  int4_rollouts: the initial policy, then the last version served), via .tmp-int4
     eval_initial.json             held-out accuracy of the RL stage's initial policy
     batches/step-<k>.json         RL: the k-th training batch (orchestrator -> learner)
     weights/v<k>/, weights/LATEST RL: policy versions (learner -> engines) and the newest one's number
     weights/current.json          RL: the version the engines serve (engine recovery reloads it)
     control/stop                  RL: either side asks the other to stop
+    weights/v<k>/transfer.json    RL, NCCL weight sync: v<k> comes over NCCL, not as files in v<k>/
+    control/transfer-v<k>.ready   RL, NCCL: the engines are paused for v<k> (orchestrator -> learner)
+    control/transfer-v<k>.done    RL, NCCL: v<k> is in the engines, or why not (learner -> orchestrator)
     orchestrator_state/step-<k>.json   RL: the rollout buffer's state at each checkpoint
+    report/report.png, report.html     skyrl runs report (default place; written on request)
 
 Every process of a run (the CLI driver and the launched backends) reaches these paths only through
 ``RunDir``: a new file of the contract is added here, once. Every JSON file is written atomically
@@ -85,8 +91,18 @@ class RunDir:
         return self.root / "summary.json"
 
     @property
+    def sample_errors(self) -> Path:
+        """RL: JSON lines ``{"time", "version", "sample", "turns", "error"}``, one per failed sample."""
+        return self.root / "sample_errors.jsonl"
+
+    @property
     def eval_initial(self) -> Path:
         return self.root / "eval_initial.json"
+
+    @property
+    def report(self) -> Path:
+        """Where ``skyrl runs report`` writes report.png and report.html unless told otherwise."""
+        return self.root / "report"
 
     # ------------------------------------------------------------------ models
     @property
@@ -152,6 +168,15 @@ class RunDir:
     def stop_request(self) -> Path:
         return self.control / "stop"
 
+    def transfer_marker(self, version: int) -> Path:
+        return self.weights_version(version) / "transfer.json"
+
+    def transfer_ready(self, version: int) -> Path:
+        return self.control / f"transfer-v{version}.ready"
+
+    def transfer_done(self, version: int) -> Path:
+        return self.control / f"transfer-v{version}.done"
+
     @property
     def orchestrator_state(self) -> Path:
         return self.root / "orchestrator_state"
@@ -184,6 +209,14 @@ class RunDir:
         """The newest complete checkpoint, or ``None``."""
         found = self.complete_checkpoints()
         return found[-1][1] if found else None
+
+    def latest_rl_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint an RL run resumes from: one whose orchestrator state (the
+        prompt order at that version) was written too. The orchestrator writes it after the learner
+        published the version, so a run killed in between has a newer checkpoint without one:
+        resuming from that would draw prompts from the start again."""
+        found = [p for step, p in self.complete_checkpoints() if self.orchestrator_state_at(step).is_file()]
+        return found[-1] if found else None
 
     def initial_accuracy(self) -> float | None:
         try:
@@ -219,13 +252,17 @@ class RunDir:
                 f"run directory {self.root} already holds a run; pass --resume to continue it, "
                 "--overwrite to start again, or --run-dir to use another directory"
             )
-        if used and overwrite and not resume:
-            for target in used:
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-        self.logs.mkdir(parents=True, exist_ok=True)
-        write_json(self.resolved_recipe, recipe_json(recipe))
-        if plan is not None:
-            write_json(self.plan, plan.model_dump(mode="json") if isinstance(plan, BaseModel) else plan)
+        try:
+            if used and overwrite and not resume:
+                for target in used:
+                    shutil.rmtree(target) if target.is_dir() else target.unlink()
+            self.logs.mkdir(parents=True, exist_ok=True)
+            write_json(self.resolved_recipe, recipe_json(recipe))
+            if plan is not None:
+                write_json(self.plan, plan.model_dump(mode="json") if isinstance(plan, BaseModel) else plan)
+        except OSError as err:  # read-only, full, or a path through a file: before anything starts
+            where = err.filename or self.root
+            raise UsageError(f"run directory {self.root} is not writable: {where}: {err.strerror or err}") from None
         return self
 
 

@@ -23,6 +23,8 @@ def load_rows(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
             ds = ds.select(range(min(limit, len(ds))))
         return [dict(r) for r in ds]
     suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json", ".parquet") and not p.is_file():  # the recipe check saw it: gone since
+        raise ValueError(f"{p}: data file not found (moved or deleted after the run was started?)")
     if suffix in (".jsonl", ".json"):
         rows = []
         with open(p, encoding="utf-8") as fh:

@@ -3,27 +3,50 @@ NCCL with vLLM's weight-transfer engine, instead of writing safetensors and havi
 
 The group is the trainer's sender (rank 0) plus every engine worker: engine ``i`` with tensor
 parallelism ``tp`` occupies ranks ``1 + i*tp .. (i+1)*tp``. Engines must have been started with
-``--weight-transfer-config '{"backend": "nccl"}'`` (the launch plan does on GPUs). Each sync is the
-same control sequence as the disk path: pause (keep) -> transfer -> version label -> resume, so
-in-flight requests continue under the new weights and every token records the version it was
-sampled with.
+``--weight-transfer-config '{"backend": "nccl"}'`` (the launch plan does when it chose this path,
+``skyrl_cli.plan.weight_sync``). Not available on CPU (vLLM's weight-transfer engines need CUDA).
 
-NOT REACHABLE YET: nothing calls this module; every RL run, on GPUs too, syncs weights through
-the disk path (``backends.inference.weight_sync``: safetensors + engine reload). Wiring it into the
-learner and the orchestrator (with the disk path as the fallback) is the GPU-path issue. Not
-available on CPU either way (vLLM's weight-transfer engines need CUDA).
+Who does what. The learner's rank 0 is the sender, so it opens the group at start-up
+(``open_weight_syncer``) and drives the data plane (``/start_weight_update``, ``/update_weights``
+concurrently with its broadcast, ``/finish_weight_update``). The orchestrator keeps the control
+plane it has on the disk path, so versions and pause/resume are identical on both paths
+(``NcclEngineWeights``): for each version, through the run directory (``backends.exchange``)::
+
+    learner                                   orchestrator
+    weights/v<k>/transfer.json, LATEST = k -> sees k: /pause?mode=keep on every engine
+                                           <- control/transfer-v<k>.ready
+    broadcast (NCCL) + transfer routes
+    control/transfer-v<k>.done             -> /update_weight_version k, /resume on every engine
+
+In-flight requests freeze with their KV cache across the broadcast and continue under the new
+weights, and every token records the version it was sampled with, as on the disk path. The
+learner waits for the engines to be paused before it sends, and does not train on while it sends
+(the broadcast reads the weights the next step would change).
+
+Fallback: when the group cannot be set up (``open_weight_syncer``), the learner logs one line and
+publishes every version as files; the orchestrator loads a version without ``transfer.json`` from
+disk, so nothing else changes. A transfer that fails once the group is up fails the run, as an
+engine that refuses a reload does on the disk path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import httpx
 
-from backends.inference.weight_sync import WeightSyncError, WeightSyncResult
+from backends.inference.weight_sync import (
+    ADMIN_TIMEOUT_S,
+    EngineWeights,
+    WeightSyncError,
+    WeightSyncResult,
+    sync_transferred,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +59,12 @@ class _FanOutClient:
     deadlock.
     """
 
-    def __init__(self, engine_urls: Sequence[str], tensor_parallel: int, timeout_s: float = 600.0):
+    def __init__(
+        self, engine_urls: Sequence[str], tensor_parallel: int, timeout_s: float = 600.0, transport: httpx.BaseTransport | None = None
+    ):
         self.engine_urls = list(engine_urls)
         self.tensor_parallel = tensor_parallel
-        self.http = httpx.Client(timeout=timeout_s)
+        self.http = httpx.Client(timeout=timeout_s, transport=transport)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
 
     def _post_all(self, path: str, bodies: Sequence[dict[str, Any] | None]) -> None:
@@ -94,6 +119,7 @@ class NcclWeightSync:
         module,
         master_address: str,
         master_port: int,
+        transport: httpx.BaseTransport | None = None,
     ):
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.nccl_engine import (
@@ -101,7 +127,7 @@ class NcclWeightSync:
             NCCLTrainerWeightTransferEngine,
         )
 
-        self.client = _FanOutClient(engine_urls, tensor_parallel)
+        self.client = _FanOutClient(engine_urls, tensor_parallel, transport=transport)
         init_info = NCCLTrainerInitInfo(
             master_address=master_address,
             master_port=master_port,
@@ -112,7 +138,14 @@ class NcclWeightSync:
             init_info, client=self.client, source=ModuleSource(module)
         )
 
+    def send(self) -> float:
+        """The data plane alone (the engines already paused): broadcast, engines load; seconds."""
+        started = time.perf_counter()
+        self.engine.send_weights()
+        return time.perf_counter() - started
+
     def sync(self, version: str | int) -> WeightSyncResult:
+        """Standalone sync (checks and benchmarks, no orchestrator): pause, send, label, resume."""
         started = time.perf_counter()
         self.client.pause()
         try:
@@ -131,12 +164,97 @@ class NcclWeightSync:
             self.client.close()
 
 
-def make_weight_syncer(device: str, engine_urls: Sequence[str], tensor_parallel: int, module, master_address: str, master_port: int):
-    """The NCCL syncer on CUDA, or ``None`` (use the disk path) on CPU or when NCCL setup fails."""
+def nccl_missing() -> str | None:
+    """What this process lacks for the NCCL path, or None. Checked first because vLLM asks the
+    engines to join the group before it opens the trainer's end: a trainer that fails only then
+    leaves the engines waiting in the rendezvous until it times out."""
+    import torch
+    import torch.distributed as tdist
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available to the trainer"
+    if not tdist.is_nccl_available():
+        return "this torch build has no NCCL"
+    return None
+
+
+def open_weight_syncer(
+    device: str, engine_urls: Sequence[str], tensor_parallel: int, module, master_address: str, master_port: int,
+    transport: httpx.BaseTransport | None = None,
+) -> tuple[NcclWeightSync | None, str | None]:
+    """(the NCCL syncer, None) on CUDA, or (None, why not): use the disk path."""
     if device != "cuda":
-        return None
+        return None, f"the trainer runs on {device}"
+    missing = nccl_missing()
+    if missing:  # found before any engine is asked to join a group that could not form
+        return None, missing
     try:
-        return NcclWeightSync(engine_urls, tensor_parallel, module, master_address, master_port)
+        return NcclWeightSync(engine_urls, tensor_parallel, module, master_address, master_port, transport), None
     except Exception as err:  # noqa: BLE001 - any setup failure falls back to the disk path
-        log.warning("NCCL weight transfer unavailable (%s); using the disk path", err)
-        return None
+        return None, f"{type(err).__name__}: {err}"
+
+
+def make_weight_syncer(
+    device: str, engine_urls: Sequence[str], tensor_parallel: int, module, master_address: str, master_port: int,
+    transport: httpx.BaseTransport | None = None,
+) -> NcclWeightSync | None:
+    """``open_weight_syncer`` that says the fallback in one warning line (none on CPU, where the
+    disk path is the only one)."""
+    syncer, why = open_weight_syncer(device, engine_urls, tensor_parallel, module, master_address, master_port, transport)
+    if syncer is None and device == "cuda":
+        log.warning("NCCL weight transfer unavailable (%s); weights go through the disk path", why)
+    return syncer
+
+
+class NcclPublisher:
+    """The learner's rank 0 side of a version that goes over NCCL (see the module docstring)."""
+
+    def __init__(self, exchange, syncer: NcclWeightSync, timeout_s: float = 3600.0):
+        self.exchange, self.syncer, self.timeout_s = exchange, syncer, timeout_s
+
+    def publish(self, version: int) -> float:
+        """Announce ``version``, wait for the engines to be paused, send; the send's seconds."""
+        self.exchange.publish_transfer(version)
+        self.exchange.wait_transfer_ready(version, self.timeout_s)
+        try:
+            seconds = self.syncer.send()
+        except BaseException as err:
+            self.exchange.finish_transfer(version, {"error": f"{type(err).__name__}: {err}"})
+            raise
+        self.exchange.finish_transfer(version, {"seconds": seconds})
+        return seconds
+
+    def close(self) -> None:
+        self.syncer.close()
+
+
+class NcclEngineWeights(EngineWeights):
+    """``EngineWeights`` for the NCCL path: a version the learner announces as a transfer is
+    received between pause and resume (the learner sends it), a version published as files (the
+    initial or resumed one, or all of them after the learner fell back) is reloaded from disk.
+
+    ``weights/current.json`` is only written for versions published as files. An engine that dies
+    takes its ranks out of the NCCL group: the next transfer fails and so does the run (resume it
+    with ``--resume``; recovery cannot bring a restarted engine back into the group)."""
+
+    def __init__(self, engine_urls: Sequence[str], run_dir: str | os.PathLike, exchange, *, reset_prefix_cache: bool = False,
+                 timeout_s: float = ADMIN_TIMEOUT_S, http: httpx.AsyncClient | None = None):  # fmt: skip
+        super().__init__(engine_urls, run_dir, reset_prefix_cache=reset_prefix_cache)
+        self.exchange, self.timeout_s, self.http = exchange, timeout_s, http
+        self.last_transfer_s: float | None = None  # the learner's send time of the last NCCL version
+
+    async def load(self, version: int, weights_dir) -> WeightSyncResult:
+        if not self.exchange.is_transfer(version):
+            self.last_transfer_s = None
+            return await super().load(version, weights_dir)
+
+        async def transfer() -> None:
+            self.exchange.mark_transfer_ready(version)
+            outcome = await asyncio.to_thread(self.exchange.wait_transfer_done, version, self.timeout_s)
+            if "error" in outcome:
+                raise WeightSyncError(f"NCCL weight transfer of version {version} failed in the trainer: {outcome['error']}")
+            self.last_transfer_s = float(outcome["seconds"])
+
+        return await sync_transferred(
+            self.engine_urls, version, transfer, reset_prefix_cache=self.reset_prefix_cache, http=self.http, timeout_s=self.timeout_s
+        )

@@ -14,6 +14,11 @@ A local engine counts as dead when its process exited or its ``/health`` failed
    it loads that too.
 4. ``/add_worker``: back in rotation.
 
+The router (``router_name``, a local process) is watched the same way: when it exits it is
+restarted with the same spec (same port, every engine in its worker list), engines that are down
+are taken out again, and rollouts, which retry, go on through it. ``gave_up()`` says when the router
+or every local engine has died more than ``max_restarts`` times: the run cannot go on then.
+
 Remote engines (``inference.urls``) cannot be restarted from here: they are removed while their
 health fails and brought up to date and added back when it passes again.
 
@@ -55,8 +60,10 @@ class EngineRecovery:
         max_restarts: int = 10,
         writer: EventWriter | None = None,
         step_fn: Callable[[], int] = lambda: 0,
+        router_name: str | None = None,
     ):
         self.supervisor = supervisor
+        self.router_name = router_name
         self.engines = dict(engines)  # process name -> url
         self.remote_urls = [u.rstrip("/") for u in remote_urls]
         self.router = RouterAdmin(router_url)
@@ -92,8 +99,9 @@ class EngineRecovery:
         return self._failures[name] >= self.health_failures
 
     def check_once(self) -> list[str]:
-        """One pass over all engines; returns the names of local engines recovered in it."""
-        recovered = []
+        """One pass over the router and all engines; returns the names of local processes
+        recovered in it."""
+        recovered = [self.router_name] if self._check_router() else []
         for name, url in self.engines.items():
             if self._stop.is_set():
                 break
@@ -143,6 +151,45 @@ class EngineRecovery:
                 self.step_fn(), {"engine/restarts": float(sum(self.restarts.values())), "timing/engine_recovery_s": seconds}
             )
         return True
+
+    def _check_router(self) -> bool:
+        """Restart the router if its process exited; True when it was brought back."""
+        name = self.router_name
+        if name is None or self._stop.is_set() or self.supervisor.poll().get(name) is None:
+            return False
+        if self.restarts.get(name, 0) >= self.max_restarts:
+            return False
+        self.recovering.set()
+        started = time.monotonic()
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        log.warning("router %s exited; restarting (restart %d)", name, self.restarts[name])
+        try:
+            self.supervisor.restart(name)
+            self.supervisor.wait_ready([name], timeout_s=self.ready_timeout_s)
+            for url in self.engines.values():  # it starts with all of them in rotation
+                if not self._healthy(url):
+                    self._remove(url)
+        except Exception as err:  # noqa: BLE001 - try again at the next pass
+            log.error("recovery of the router failed: %s", err)
+            return False
+        finally:
+            self.recovering.clear()
+        seconds = time.monotonic() - started
+        log.warning("router %s is back after %.1f s", name, seconds)
+        if self.writer is not None:
+            self.writer.log(self.step_fn(), {"router/restarts": float(self.restarts[name]), "timing/router_recovery_s": seconds})
+        return True
+
+    def gave_up(self) -> str | None:
+        """Why the run cannot go on (the router, or every local engine, is down and was restarted
+        ``max_restarts`` times already); None while it can."""
+        poll = self.supervisor.poll()
+        exhausted = [n for n in (self.router_name, *self.engines) if n is not None and poll.get(n) is not None
+                     and self.restarts.get(n, 0) >= self.max_restarts]  # fmt: skip
+        if self.router_name in exhausted or (self.engines and set(self.engines) <= set(exhausted)):
+            logs = ", ".join(str(self.supervisor.processes[n].log_path) for n in exhausted)
+            return f"{', '.join(exhausted)} died after {self.max_restarts} restarts; log: {logs}"
+        return None
 
     def _check_remote(self, url: str) -> None:
         healthy = self._healthy(url)

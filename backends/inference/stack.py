@@ -45,6 +45,27 @@ class InferenceStack:
             self.recovery.stop(timeout_s=5.0)
 
 
+def check_remote_engines(urls: Sequence[str], timeout_s: float = 5.0) -> None:
+    """Every remote engine (``inference.urls``) answers ``GET /health`` with 200, else a one-line
+    ``LaunchError`` naming it: checked before anything starts, instead of the router waiting out
+    its worker start-up timeout and the run failing later with a less direct message."""
+    import httpx
+
+    from skyrl_cli.errors import LaunchError
+
+    for url in urls:
+        try:
+            status = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code
+        except httpx.HTTPError as err:
+            reason = f"{type(err).__name__}: {str(err) or 'no answer'}"
+        else:
+            if status == 200:
+                continue
+            reason = f"HTTP {status}"
+        raise LaunchError(f"inference.urls: the engine at {url} does not answer GET /health ({reason}); "
+                          "start it, or remove it from inference.urls")  # fmt: skip
+
+
 def launch_inference(
     supervisor,
     engine_specs: Sequence,
@@ -71,8 +92,9 @@ def launch_inference(
         local = dict(zip(names, engine_urls))
         remote = list(engine_urls[len(names) :])
         stack.recovery = EngineRecovery(
-            supervisor, local, router_url, run_dir, remote_urls=remote, writer=writer, step_fn=step_fn
-        ).start()
+            supervisor, local, router_url, run_dir, remote_urls=remote, writer=writer, step_fn=step_fn,
+            router_name=router_spec.name,
+        ).start()  # fmt: skip
     if writer is not None and metrics_period_s:
         stack.scraper = MetricsScraper(engine_urls, writer, router_url, metrics_period_s, step_fn).start()
     return stack

@@ -14,8 +14,9 @@ and brings it to the current weights itself) is reported, not fatal; an engine t
 an error is (a bad weights directory must not pass silently). A paused engine is always resumed,
 also when the reload fails.
 
-This disk path is the only one RL runs use today, on GPUs too: the NCCL broadcast in
-``backends.inference.nccl_sync`` is written but not wired in yet.
+NCCL path (GPUs, ``inference.weight_sync``): the same pause (keep) -> new weights -> version
+label -> resume sequence, with the new weights broadcast by trainer rank 0 instead of reloaded
+from disk (``sync_transferred`` here, driven by ``backends.inference.nccl_sync.NcclEngineWeights``).
 
 LoRA (``model.lora``): each policy version is a PEFT adapter directory, loaded under its own name
 (``adapter_name(k)`` = ``policy-v<k>``) with ``/v1/load_lora_adapter`` and no pause: a request
@@ -51,6 +52,10 @@ ADMIN_TIMEOUT_S = 300.0
 
 class WeightSyncError(SkyrlError):
     """An engine refused a weight update, or no engine could be reached."""
+
+
+class NoEngineReachable(WeightSyncError):
+    """Every engine was unreachable (all being restarted by engine recovery): try again later."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ async def _for_each_engine(
     if errors:
         raise errors[0] if isinstance(errors[0], WeightSyncError) else WeightSyncError(str(errors[0]))
     if engine_urls and len(unreachable) == len(engine_urls):
-        raise WeightSyncError(f"weight sync to version {version}: no engine reachable ({', '.join(unreachable)})")
+        raise NoEngineReachable(f"weight sync to version {version}: no engine reachable ({', '.join(unreachable)})")
     result = WeightSyncResult(version, time.perf_counter() - started, engine_seconds, tuple(unreachable))
     log.info("weight sync to version %s: %.3f s over %d engine(s)", version, result.seconds, len(engine_seconds))
     return result
@@ -151,6 +156,43 @@ async def sync_weights(
         await _post(client, url, "/update_weight_version", {"new_version": version})
 
     return await _for_each_engine(engine_urls, version, update, http, timeout_s)
+
+
+async def sync_transferred(
+    engine_urls: Sequence[str],
+    version: str | int,
+    transfer: Callable[[], Awaitable[None]],
+    *,
+    reset_prefix_cache: bool = False,
+    http: httpx.AsyncClient | None = None,
+    timeout_s: float = ADMIN_TIMEOUT_S,
+) -> WeightSyncResult:
+    """NCCL path: pause every engine, run ``transfer`` once (it fills all engines at the same time:
+    one broadcast), then label every engine ``version`` and resume them (also after a failure).
+    Every engine is in the NCCL group, so one that cannot be reached fails the sync."""
+    version = str(version)
+    own_client = http is None
+    http = http or httpx.AsyncClient(timeout=timeout_s)
+    started = time.perf_counter()
+
+    async def each(path: str, body: dict | None = None) -> None:
+        await asyncio.gather(*(_post(http, url, path, body) for url in engine_urls))
+
+    try:
+        try:  # an engine paused before another refused to pause is resumed too
+            await each("/pause?mode=keep")
+            await transfer()
+            if reset_prefix_cache:
+                await each("/reset_prefix_cache")
+            await each("/update_weight_version", {"new_version": version})
+        finally:
+            await each("/resume")
+    finally:
+        if own_client:
+            await http.aclose()
+    seconds = time.perf_counter() - started
+    log.info("NCCL weight sync to version %s: %.3f s over %d engine(s)", version, seconds, len(engine_urls))
+    return WeightSyncResult(version, seconds, {url: seconds for url in engine_urls})
 
 
 async def sync_lora_adapter(

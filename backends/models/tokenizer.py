@@ -13,6 +13,8 @@ The assistant turn ends with ``<eos>``: that is where greedy generation stops.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Iterable
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -57,11 +59,27 @@ def build_char_tokenizer(alphabet: Iterable[str]):
     return tokenizer
 
 
+# What build_char_tokenizer's directories record as their class (transformers 5 writes its generic
+# fast class's name). They load without AutoTokenizer, whose model registry imports torch: 4 s on a
+# quiet machine, 15-25 s on a loaded 2-core one, paid by the RL orchestrator before its first rollout.
+GENERIC_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def saved_tokenizer_class(path: str) -> str | None:
+    try:
+        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+
+
 def load_tokenizer(path: str):
     """A local HF tokenizer; a missing pad token falls back to eos (needed for batched generation)."""
-    from transformers import AutoTokenizer
+    if saved_tokenizer_class(path) in GENERIC_FAST_CLASSES and (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = loader.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:

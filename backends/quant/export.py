@@ -159,6 +159,19 @@ def publish_int4(src_dir: str | Path, run_dir: str | Path, cfg: QuantizationConf
     return report
 
 
+def export_version(save_full_precision, out_dir: Path, cfg: QuantizationConfig) -> ExportReport:
+    """One policy version for INT4 rollouts: ``save_full_precision(dir)`` writes the HF model (the
+    trainer's exporter, collective under ZeRO-3), which becomes the W4A16 checkpoint in ``out_dir``.
+    Round-to-nearest of the master weights: under fake-quant (int4_qat) exactly the codes the
+    learner trained with."""
+    full = out_dir / ".full-precision"
+    save_full_precision(full)
+    try:
+        return export_rtn(full, out_dir, cfg)
+    finally:
+        shutil.rmtree(full, ignore_errors=True)
+
+
 def export_after_training(run_dir: str | Path, cfg: QuantizationConfig | None, dist, events, step: int) -> None:
     """The trainers' end hook: with INT4 QAT on, the INT4 export of the just-published ``final/``
     (rank 0; the others have nothing to do)."""
@@ -179,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m backends.quant.export", description="INT4 PTQ export (W4A16).")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--model", required=True, type=Path, help="HF model directory to quantize")
+    parser.add_argument("--setup", action="store_true", help="a setup job of another stage (RL with INT4 rollouts): "
+                        "its figures go to the run's events, its progress does not")  # fmt: skip
     args = parser.parse_args(argv)
     paths = RunDir(args.run_dir)
     cfg = paths.read_recipe().quantization
@@ -186,9 +201,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the run's recipe has no [quantization] section")
     t0 = time.perf_counter()
     with EventWriter(paths.events, PROCESS_NAME) as events:
-        events.log(0, {"progress/total_steps": 1})
+        if not args.setup:
+            events.log(0, {"progress/total_steps": 1})
         report = publish_int4(args.model, args.run_dir, cfg)
-        events.log(1, {**report.metrics(), "timing/export_s": time.perf_counter() - t0})
+        events.log(0 if args.setup else 1, {**report.metrics(), "timing/export_s": time.perf_counter() - t0})
     print(f"INT4 PTQ export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
           f"{report.size_ratio:.3f}x {args.model})", flush=True)  # fmt: skip
 

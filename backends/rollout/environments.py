@@ -78,6 +78,7 @@ class SingleTurnEnvironment(Environment):
 
     def __init__(self, reward_fn: RewardFn, prompt_fn: Callable[[Mapping[str, Any]], Messages] | None = None):
         self._reward_fn = reward_fn
+        self.step_name = getattr(reward_fn, "__qualname__", None)  # what a timeout message names
         self._prompt_fn = prompt_fn or (lambda row: prompt_and_answer(row)[0])
         self._row: Mapping[str, Any] | None = None
 
@@ -156,6 +157,21 @@ class Episode:
     step_infos: list[dict[str, Any]] = field(default_factory=list)
 
 
+def messages_error(value: Any) -> str | None:
+    """Why ``value`` is not a list of chat messages (``{"role": str, "content": str}``), or None.
+    Checked before the chat template sees it: a malformed observation is the environment's error
+    record, not a crash of the rollout."""
+    if not isinstance(value, (list, tuple)):
+        return f"messages must be a list of {{'role', 'content'}} dicts, got {type(value).__name__}"
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            return f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"message {i}: {key!r} must be a string, got {type(message.get(key)).__name__}"
+    return None
+
+
 # generate(new_messages, turn) -> the model's response text. The generator keeps the token
 # context itself: at turn 0 ``new_messages`` is the prompt, later the observation to append.
 Generate = Callable[[Messages, int], Awaitable[str]]
@@ -176,8 +192,8 @@ async def run_episode(
         return episode
     env: Environment = built.value
     reset = await caller.acall(env.reset, row)
-    if reset.error:
-        episode.error = f"reset: {reset.error}"
+    if reset.error or messages_error(reset.value):
+        episode.error = f"reset: {reset.error or messages_error(reset.value)}"
         return episode
     new_messages: Messages = list(reset.value)
     total = 0.0
@@ -202,6 +218,9 @@ async def run_episode(
         if result.done:
             episode.done = True
             break
+        if messages_error(result.observation):
+            episode.error, episode.reward = f"step: observation: {messages_error(result.observation)}", 0.0
+            return episode
         new_messages = list(result.observation)
     episode.reward = total
     return episode

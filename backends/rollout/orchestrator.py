@@ -15,7 +15,8 @@ without it (0 is the synchronous schedule: B groups, train, sync, B groups, ...)
 takes batches from the buffer and writes them to ``batches/step-<k>.json`` for the learner. A weight
 watcher waits for each version the learner publishes (``weights/v<k>``), pushes it to every engine
 (pause in ``keep`` mode, reload, label, resume: in-flight trajectories continue under the new
-weights and record both versions; with LoRA each version is an adapter loaded under its own name
+weights and record both versions; with ``--weight-sync nccl`` the learner broadcasts the weights
+between that pause and resume instead of the reload, ``backends.inference.nccl_sync``; with LoRA each version is an adapter loaded under its own name
 and requests name the current one, see ``sync_engines``), then opens the buffer to that version,
 and evaluates on the held-out split by greedy decoding through the engines when an evaluation is due.
 """
@@ -37,6 +38,7 @@ from skyrl_cli.recipe.schema import Recipe
 from skyrl_cli.rundir import RunDir
 
 PROCESS_NAME = "orchestrator"
+ENGINES_BACK_TIMEOUT_S = 900.0  # an engine restart (start-up ~20 s, minutes on a busy machine)
 log = logging.getLogger("skyrl.orchestrator")
 
 
@@ -163,8 +165,7 @@ class Orchestrator:
         samples = []
         for i, (session, episode) in enumerate(results):
             if episode.error:
-                self.errors += 1
-                log.warning("sample %s_%d: %s", ref.uid, i, episode.error)
+                self.record_error(f"{ref.uid}_{i}", start_version, episode)
             samples.append(
                 Sample(
                     prompt_uid=ref.uid,
@@ -182,6 +183,15 @@ class Orchestrator:
             )
             self.window_tokens += len(samples[-1].response_ids)
         return Group(ref.uid, samples, start_version)
+
+    def record_error(self, sample: str, version: int, episode, count: bool = True) -> None:
+        """Count a sample whose user code failed and append its record to ``sample_errors.jsonl``
+        (one short line per sample; appends of one line each, as events.jsonl)."""
+        self.errors += count
+        log.warning("sample %s: %s", sample, episode.error)
+        record = {"time": time.time(), "version": version, "sample": sample, "turns": episode.turns, "error": episode.error}
+        with open(self.paths.sample_errors, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     async def worker(self, client, buffer) -> None:
         from backends.rollout.client import RolloutError
@@ -220,7 +230,10 @@ class Orchestrator:
             )
         )
         accuracy = sum(ep.reward for _, ep in results) / max(1, len(results))
-        metrics = {"eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0}
+        failed = [(i, ep) for i, (_, ep) in enumerate(results) if ep.error]
+        for i, episode in failed:  # recorded, not counted in rollout/errors (the training samples' count)
+            self.record_error(f"eval-v{version}-{i}", version, episode, count=False)
+        metrics = {"eval/accuracy": accuracy, "eval/errors": len(failed), "timing/eval_s": time.perf_counter() - t0}
         if version == 0 or self.paths.initial_accuracy() is None:
             metrics["eval/accuracy_initial"] = accuracy
             self.paths.write_initial_accuracy(version, accuracy)
@@ -258,13 +271,28 @@ class Orchestrator:
         version still in use keeps its adapter and directory until a later sync finds it idle."""
         t0 = time.perf_counter()
         await self.engines.retire(self.in_flight())
-        result = await self.engines.load(version, self.exchange.weights_dir(version))
+        result = await self.load_when_reachable(version)
         if self.client is not None:
             self.client.model = self.engines.model_name(version)
         await self.engines.retire(self.in_flight())
         log.info("engines on policy version %d (%.3f s)", version, result.seconds)
         self.events.log(version, {"timing/sync_weights_s": time.perf_counter() - t0, "weights/version": version})
         self.exchange.prune_weights_before(version, keep=self.engines.held())
+
+    async def load_when_reachable(self, version: int, timeout_s: float = ENGINES_BACK_TIMEOUT_S):
+        """``engines.load``, again every few seconds while no engine answers: engine recovery is
+        restarting them (a single engine that died), and the run goes on once one is back."""
+        from backends.inference.weight_sync import NoEngineReachable
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await self.engines.load(version, self.exchange.weights_dir(version))
+            except NoEngineReachable as err:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s; waiting for engine recovery", err)
+                await asyncio.sleep(2.0)
 
     def in_flight(self) -> Mapping[str, int]:
         """Requests under way per model name (the rollout client counts them)."""
@@ -300,6 +328,8 @@ class Orchestrator:
                 return
             samples = flatten(taken.groups)
             self.exchange.write_batch(step, {"step": step, "samples": [s.to_dict() for s in samples]})
+            # The data order, for a reader of the log (a resumed run draws the same prompts).
+            log.info("batch %d: prompts %s", step, " ".join(sorted(g.prompt_uid for g in taken.groups)))
             elapsed = time.perf_counter() - self.window_started
             rewards = [s.reward for s in samples]
             metrics = {
@@ -311,6 +341,7 @@ class Orchestrator:
                 "rollout/turns_mean": sum(s.num_turns for s in samples) / max(1, len(samples)),
                 "rollout/groups": len(taken.groups),
                 "rollout/errors": self.errors,
+                "rollout/retries": getattr(self.client, "retries", 0),  # retried requests (RolloutClient counts them)
                 "timing/wait_for_batch_s": time.perf_counter() - t0,
             }
             if rl.dynamic_sampling.enabled:
@@ -374,10 +405,12 @@ async def until_done_or_failed(required: set[asyncio.Task], others: set[asyncio.
                 raise task.exception()
 
 
-def build_orchestrator(run_dir: Path, init_from: Path, router_url: str, engine_urls: Sequence[str], async_mode: bool) -> Orchestrator:
-    """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner."""
+def build_orchestrator(
+    run_dir: Path, init_from: Path, router_url: str, engine_urls: Sequence[str], async_mode: bool, weight_sync: str = "disk"
+) -> Orchestrator:
+    """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner;
+    ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``)."""
     from backends.exchange import RunExchange
-    from backends.inference.weight_sync import EngineAdapters, EngineWeights
     from backends.models.tokenizer import load_tokenizer
     from backends.rollout.client import RolloutClient
 
@@ -388,17 +421,27 @@ def build_orchestrator(run_dir: Path, init_from: Path, router_url: str, engine_u
         tokenizer=load_tokenizer(str(init_from)),
         rows=load_rows(recipe),
         open_client=lambda: RolloutClient.from_recipe(router_url, recipe),
-        engines=(
-            EngineAdapters(engine_urls, run_dir)
-            if recipe.model.lora is not None
-            else EngineWeights(engine_urls, run_dir, reset_prefix_cache=recipe.rl.async_.reset_prefix_cache)
-        ),
+        engines=engine_weights(recipe, run_dir, engine_urls, weight_sync),
         exchange=RunExchange(run_dir),
         events=EventWriter(paths.events, PROCESS_NAME),
         async_mode=async_mode,
     )
     report_user_code(recipe.rl.environment or recipe.rl.reward)  # imported by the environment factory
     return orchestrator
+
+
+def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
+    """The engines' weight loader: adapters (LoRA), NCCL transfers with disk versions in between, or disk."""
+    from backends.exchange import RunExchange
+    from backends.inference.nccl_sync import NcclEngineWeights
+    from backends.inference.weight_sync import EngineAdapters, EngineWeights
+
+    reset = recipe.rl.async_.reset_prefix_cache
+    if recipe.model.lora is not None:
+        return EngineAdapters(engine_urls, run_dir)
+    if weight_sync == "nccl":
+        return NcclEngineWeights(engine_urls, run_dir, RunExchange(run_dir), reset_prefix_cache=reset)
+    return EngineWeights(engine_urls, run_dir, reset_prefix_cache=reset)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -410,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router-url", required=True)
     parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
     parser.add_argument("--async", dest="async_mode", action="store_true")
+    parser.add_argument("--weight-sync", choices=("nccl", "disk", "lora"), default="disk", help="the plan's choice")
     parser.add_argument(
         "--import-path", action="append", default=[], help="searched first for rl.reward / rl.environment (the recipe's directory)"
     )
@@ -418,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     urls = [u for u in args.engine_urls.split(",") if u]
-    orchestrator = build_orchestrator(args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode)
+    orchestrator = build_orchestrator(args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode, args.weight_sync)
     try:
         asyncio.run(orchestrator.run())
     except StopRequested as stop:

@@ -63,7 +63,9 @@ class GuardedCaller:
         self.timeout_s = float(timeout_s)
 
     def _timeout_message(self, fn: Callable) -> str:
-        return f"timeout: {getattr(fn, '__qualname__', fn)!s} took longer than {self.timeout_s:g} s"
+        # A single-turn episode's step() is the user's reward function: the message names that.
+        name = getattr(getattr(fn, "__self__", None), "step_name", None) or getattr(fn, "__qualname__", fn)
+        return f"timeout: {name!s} took longer than {self.timeout_s:g} s (rl.reward_timeout_s)"
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CallOutcome:
         """Blocking call (for synchronous code)."""

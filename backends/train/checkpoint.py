@@ -33,6 +33,34 @@ from skyrl_cli.rundir import CHECKPOINT_MODEL, RunDir
 from skyrl_cli.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
 
 DS_TAG = "state"
+_FULL_BYTES = 1 << 20  # less than this left: the write failed for want of space
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, an I/O error): its partial directory is
+    gone, the previous checkpoint is untouched. The trainer's last log line; the driver shows it."""
+
+
+def _write_failed(err: Exception, tmp: Path, final: Path, paths: RunDir) -> CheckpointError:
+    """The error for a failed checkpoint write, after deleting the partial directory (which on a
+    full disk frees what it took). torch.save and safetensors do not raise OSError on a full disk
+    (``RuntimeError: ... unexpected pos``, ``SafetensorError: ... os error 28``): the free space
+    measured before the clean-up tells it."""
+    try:
+        free = shutil.disk_usage(paths.root).free
+    except OSError:
+        free = None
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(err, OSError) and err.strerror:
+        reason = err.strerror
+    elif (free is not None and free < _FULL_BYTES) or "os error 28" in str(err):
+        reason = "No space left on device"
+    else:
+        reason = f"{type(err).__name__}: {err}"
+    previous = paths.latest_checkpoint()
+    kept = f"{previous.name} is intact" if previous else "no earlier checkpoint"
+    where = f"{free / 2**20:.1f} MiB were free in {paths.root}" if free is not None else str(paths.root)
+    return CheckpointError(f"checkpoint {final.name} not written: {reason} ({where}); {kept}; resume with --resume")
 
 
 def remove_leftovers(run_dir: str | os.PathLike) -> None:
@@ -78,18 +106,22 @@ def save_checkpoint(
     paths = RunDir(run_dir)
     final = paths.checkpoint(step)
     tmp = final.with_name(f"{atomic.TMP_PREFIX}{final.name}")
+    try:
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        _barrier()
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag=DS_TAG, save_latest=False)
+        export_model(tmp / CHECKPOINT_MODEL)
+        torch.save(rng_state(), tmp / "rng" / f"rank-{rank}.pt")
+        _barrier()
+        if rank == 0:
+            atomic.write_json(tmp / STATE_FILE, {**state, "step": step})
+            atomic.publish_dir(tmp, final)
+    except Exception as err:  # noqa: BLE001 - any failed write: no partial directory stays behind
+        raise _write_failed(err, tmp, final, paths) from err
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "rng").mkdir(parents=True)
-    _barrier()
-    engine.save_checkpoint(str(tmp / "deepspeed"), tag=DS_TAG, save_latest=False)
-    export_model(tmp / CHECKPOINT_MODEL)
-    torch.save(rng_state(), tmp / "rng" / f"rank-{rank}.pt")
-    _barrier()
-    if rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
-        atomic.publish_dir(tmp, final)
         for _, old in paths.complete_checkpoints()[:-keep_last]:
             atomic.discard_dir(old)
     _barrier()

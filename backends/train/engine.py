@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -43,10 +45,24 @@ def resolve_device(preference: str) -> str:
     return "cpu"
 
 
+def die_with_launcher() -> None:
+    """A torchrun worker asks the kernel for SIGTERM when torchrun dies. torchrun starts each
+    worker in a session of its own, so the supervisor's kill of torchrun's process group never
+    reaches them, and a torchrun killed outright (SIGKILL, OOM) would leave its ranks training on."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # it died before the request: nothing would send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def init_distributed(preference: str = "auto") -> Dist:
     """Join the torchrun process group (a plain ``python`` run is a world of one)."""
     import deepspeed
 
+    die_with_launcher()
     kind = resolve_device(preference)
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)

@@ -46,6 +46,15 @@ from skyrl_cli.rundir import RunDir
 BATCH_TIMEOUT_S = 3600.0
 
 
+@dataclass(frozen=True)
+class NcclTarget:
+    """Where rank 0 sends each version with ``--weight-sync nccl`` (backends.inference.nccl_sync)."""
+
+    engine_urls: tuple[str, ...]
+    tensor_parallel: int
+    address: str  # host:port of the NCCL group's rendezvous (the plan's free port)
+
+
 @dataclass
 class Tensors:
     """One micro-batch of trajectories as right-padded rows, every tensor [B, T]."""
@@ -149,13 +158,14 @@ def reduce_metrics(metrics: dict[str, float], device) -> dict[str, float]:
 
 
 class Learner:
-    def __init__(self, run_dir: Path, init_from: Path, resume: bool):
+    def __init__(self, run_dir: Path, init_from: Path, resume: bool, nccl: NcclTarget | None = None):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
         from backends.exchange import RunExchange
         from backends.models.loading import torch_dtype
         from backends.models.tokenizer import load_tokenizer
+        from backends.quant.fake_quant import maybe_prepare_qat
         from backends.train.engine import init_distributed, make_engine
         from backends.train.schedule import schedule
 
@@ -174,13 +184,15 @@ class Learner:
         torch.manual_seed(recipe.seed)
         dtype = torch_dtype(recipe.model, self.dist.device.type)
         bf16 = dtype == torch.bfloat16
-        model = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype)
+        model = maybe_prepare_qat(AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype), recipe.quantization, self.say)
         self.lora = recipe.model.lora
         if self.lora is not None:
             model = self._with_adapter(model)
         self.reference = None  # with LoRA the reference is the policy with its adapter disabled
         if rl.kl.coef > 0 and self.lora is None:
-            self.reference = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype).to(self.dist.device).eval()
+            # under INT4 QAT the reference has the policy's numerics too, so the KL measures drift, not rounding
+            reference = maybe_prepare_qat(AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype), recipe.quantization, lambda _said: None)
+            self.reference = reference.to(self.dist.device).eval()
             self.reference.requires_grad_(False)
         self.engine, self.scheduler = make_engine(
             model,
@@ -196,6 +208,8 @@ class Learner:
         merge = self.lora is None or self.lora.merge_final
         self.export = HFExporter(self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge)
         self.start_step = self._restore() if resume else 0
+        self.transfer = self._open_transfer(nccl)
+        self.last_send_s: float | None = None
 
     def _with_adapter(self, model):
         """The policy wrapped with the recipe's trainable LoRA adapters (base weights frozen)."""
@@ -205,12 +219,31 @@ class Learner:
             raise SystemExit("LoRA with ZeRO-3 is not supported; use trainer.zero_stage <= 2")
         return apply_lora(model, self.lora)
 
+    def _open_transfer(self, nccl: NcclTarget | None):
+        """Rank 0's NCCL publisher, or None for the disk path: not asked for, another rank, or the
+        group could not be set up (said in one line; every version then goes as files)."""
+        if nccl is None or not self.dist.is_main:
+            return None
+        from backends.inference.nccl_sync import NcclPublisher, open_weight_syncer
+
+        host, _, port = nccl.address.rpartition(":")
+        module = self.engine.module  # HF parameter names; ZeRO 0-2 keep full weights on rank 0
+        syncer, why = open_weight_syncer(self.dist.device.type, nccl.engine_urls, nccl.tensor_parallel, module, host, int(port))
+        if syncer is None:
+            self.say(f"NCCL weight transfer unavailable ({why}); weights go through the disk path")
+            return None
+        self.say(f"weight sync: NCCL broadcast to {len(nccl.engine_urls)} engine(s)")
+        return NcclPublisher(self.exchange, syncer, BATCH_TIMEOUT_S)
+
     def _restore(self) -> int:
         from backends.train.checkpoint import load_checkpoint
 
-        checkpoint = RunDir(self.run_dir).latest_checkpoint()
+        paths = RunDir(self.run_dir)
+        checkpoint = paths.latest_rl_checkpoint()
         if checkpoint is None:
             return 0
+        if checkpoint != paths.latest_checkpoint():
+            self.say(f"{paths.latest_checkpoint()} has no orchestrator state (killed before it was written); not resuming from it")
         step = int(load_checkpoint(self.engine, checkpoint)["step"])
         self.say(f"resumed from {checkpoint} at step {step}")
         return step
@@ -322,19 +355,34 @@ class Learner:
 
     # ----------------------------------------------------------------------------- the loop
     def publish(self, version: int) -> None:
+        """``weights/v<k>``: over NCCL (rank 0 sends, the orchestrator pauses and resumes the
+        engines) or as files. The starting version always goes as files: it is what a restarted
+        engine or a resumed run loads."""
         import torch.distributed as tdist
 
-        if self.recipe.trainer.zero_stage == 3 or self.dist.is_main:
+        if self.transfer is not None and version != self.start_step:
+            self.last_send_s = self.transfer.publish(version)
+        elif self.recipe.trainer.zero_stage == 3 or self.dist.is_main:
             if self.dist.is_main:
                 with self.exchange.publish_weights(version) as out:
-                    if self.lora is not None:  # the adapter alone, what the engines load
-                        self.export.adapter(out)
-                    else:
-                        self.export(out)
+                    self._write_version(out)
             else:
                 self.export(self.run_dir / ".unused")  # collective gather; rank 0 writes
         if tdist.is_initialized():
             tdist.barrier()
+
+    def _write_version(self, out: Path) -> None:
+        """What the engines load: the adapter alone (LoRA), the W4A16 export (INT4 rollouts), or the
+        HF model."""
+        quant = self.recipe.quantization
+        if self.lora is not None:
+            self.export.adapter(out)
+        elif quant is not None and quant.int4_rollouts:
+            from backends.quant.export import export_version
+
+            export_version(self.export, out, quant)
+        else:
+            self.export(out)
 
     def checkpoint(self, step: int) -> None:
         from backends.train.checkpoint import save_checkpoint
@@ -377,6 +425,7 @@ class Learner:
                     "timing/wait_for_batch_s": t1 - t0,
                     "timing/train_s": t2 - t1,
                     "timing/publish_weights_s": t3 - t2,
+                    **({"timing/weight_send_s": self.last_send_s} if self.last_send_s is not None else {}),
                     **staleness_metrics(samples, step),
                 }
             )
@@ -430,8 +479,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--init-from", required=True, type=Path, help="HF model directory of the initial policy")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--weight-sync", choices=("nccl", "disk", "lora"), default="disk", help="the plan's choice")
+    parser.add_argument("--engine-urls", default="", help="nccl: comma-separated engines to send to")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="nccl: GPUs per engine")
+    parser.add_argument("--nccl-address", default="", help="nccl: host:port of the NCCL group's rendezvous")
     args = parser.parse_args(argv)
-    learner = Learner(args.run_dir.resolve(), args.init_from.resolve(), args.resume)
+    nccl = None
+    if args.weight_sync == "nccl":
+        nccl = NcclTarget(tuple(u for u in args.engine_urls.split(",") if u), args.tensor_parallel, args.nccl_address)
+    learner = Learner(args.run_dir.resolve(), args.init_from.resolve(), args.resume, nccl)
     try:
         learner.run()
     except StopRequested as stop:
@@ -441,6 +497,8 @@ def main(argv: list[str] | None = None) -> None:
         learner.exchange.request_stop(f"trainer failed: {type(err).__name__}: {err}")
         raise
     finally:
+        if learner.transfer is not None:
+            learner.transfer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

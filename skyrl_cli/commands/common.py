@@ -134,7 +134,7 @@ def run_job(
 
     from skyrl_cli.errors import LaunchError
     from skyrl_cli.launch.interrupts import reported
-    from skyrl_cli.launch.supervisor import Supervisor, failure_message
+    from skyrl_cli.launch.supervisor import Supervisor, job_failure
     from skyrl_cli.metrics.follow import FollowedRun
     from skyrl_cli.rundir import RunDir
 
@@ -148,5 +148,5 @@ def run_job(
             code = supervisor.wait_job(spec.name, on_tick=run.poll)
             run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
             if code != 0:
-                raise LaunchError(failure_message(f"the {spec.role} failed (exit code {code})", proc.log_path, 25))
+                raise LaunchError(job_failure(spec.role, code, proc.log_path))
     return run.summary or {}

@@ -48,6 +48,9 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             common.print_plan(plan, json_)
             return
+        from backends.inference.stack import check_remote_engines  # light: httpx only
+
+        check_remote_engines(loaded.inference.urls)  # before the SFT stage, engines or trainer start
         ensure_initial_policy(loaded, mode)
         summary = run_rl(loaded, plan, directory, mode, resume=resume, overwrite=overwrite)
         if mode != "json":
@@ -107,6 +110,7 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     started = time.monotonic()
     with reported("rl", directory) as progress, Supervisor(directory) as supervisor, \
             EventWriter(run_dir.events, "inference") as writer:  # fmt: skip
+        run_setup_jobs(supervisor, plan, progress)
         progress.phase = "engine start-up"
         stack = launch_inference(
             supervisor, engines, router, plan.engine_urls, plan.router_url, directory,
@@ -115,9 +119,11 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
             extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(run_dir.final)}
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
-                run_jobs(supervisor, plan, router.name, run, progress)
+                run_jobs(supervisor, plan, stack, run, progress)
                 progress.phase = "publishing the final model"
                 publish_final_model(run_dir)
+                if publish_final_int4(run_dir, recipe):
+                    run.summary_extra["int4_model"] = str(run_dir.int4)
                 run.summary_extra.update(initial_and_final_accuracy(run_dir))
                 run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
         finally:
@@ -125,22 +131,36 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     return run.summary or {}
 
 
-def run_jobs(supervisor, plan, router_name: str, run, progress) -> None:
-    """Start the orchestrator and the learner; wait for both; a failed one raises ``LaunchError``."""
-    from skyrl_cli.errors import LaunchError
-    from skyrl_cli.launch.supervisor import failure_message
+def run_setup_jobs(supervisor, plan, progress) -> None:
+    """Setup jobs (the INT4 export the engines start from) run to their end before any engine."""
+    setup = [p.name for p in plan.processes if p.kind == "setup"]
+    for name in setup:
+        progress.phase = f"setup: {name}"
+        supervisor.start(next(p for p in plan.processes if p.name == name))
+        supervisor.wait_jobs([name])
 
-    jobs = [p for p in plan.processes if p.kind == "job"]
-    for spec in jobs:
-        supervisor.start(spec)
-    for spec in reversed(jobs):  # the learner first: the orchestrator finishes after it
+
+def run_jobs(supervisor, plan, stack, run, progress) -> None:
+    """Start the orchestrator and the learner and wait for both: the first one to fail (or be
+    killed) raises ``LaunchError`` at once, naming it and its log."""
+    from skyrl_cli.errors import LaunchError
+
+    def tick() -> None:
+        run.poll()
+        trainer = next(p for p in plan.processes if p.role == "trainer")
         # The orchestrator's last work after the learner's exit is the final evaluation.
-        progress.phase = "training" if spec.role == "trainer" else "the final evaluation"
-        # Engines may die and come back (stack.recovery); the router may not.
-        code = supervisor.wait_job(spec.name, on_tick=run.poll, fatal_services=[router_name])
-        if code != 0:
-            proc = supervisor.processes[spec.name]
-            raise LaunchError(failure_message(f"the {spec.name} failed (exit code {code})", proc.log_path, 25))
+        progress.phase = "training" if supervisor.processes[trainer.name].returncode is None else "the final evaluation"
+        gave_up = stack.recovery.gave_up() if stack.recovery is not None else None
+        if gave_up:
+            raise LaunchError(gave_up)
+
+    jobs = [p.name for p in plan.processes if p.kind == "job"]
+    for spec in plan.processes:
+        if spec.kind == "job":
+            supervisor.start(spec)
+    # Engines and the router that die come back (stack.recovery); without it the router may not die.
+    fatal = [] if stack.recovery is not None else [p.name for p in plan.processes if p.role == "router"]
+    supervisor.wait_jobs(jobs, on_tick=tick, fatal_services=fatal)
 
 
 def publish_final_model(run_dir: RunDir) -> None:
@@ -155,6 +175,20 @@ def publish_final_model(run_dir: RunDir) -> None:
     shutil.rmtree(run_dir.final_tmp, ignore_errors=True)
     shutil.copytree(newest / CHECKPOINT_MODEL, run_dir.final_tmp)
     publish_dir(run_dir.final_tmp, run_dir.final)
+
+
+def publish_final_int4(run_dir: RunDir, recipe) -> bool:
+    """INT4 rollouts: ``int4/`` (the initial policy's export the engines started from) becomes the
+    last version they served, the learner's W4A16 export of its final weights."""
+    from skyrl_cli.atomic import publish_dir
+
+    version = run_dir.latest_weights_version()
+    if recipe.quantization is None or not recipe.quantization.int4_rollouts or version is None:
+        return False
+    shutil.rmtree(run_dir.int4_tmp, ignore_errors=True)
+    shutil.copytree(run_dir.weights_version(version), run_dir.int4_tmp)
+    publish_dir(run_dir.int4_tmp, run_dir.int4)
+    return True
 
 
 def initial_and_final_accuracy(run_dir: RunDir) -> dict:

@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import httpx
 
 from skyrl_cli.errors import LaunchError
-from skyrl_cli.launch.interrupts import deferred, stop_signals_raise
+from skyrl_cli.launch.interrupts import deferred, signal_name, stop_signals_raise
 from skyrl_cli.launch.op_builds import clear_locks_since, clear_stale_locks
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_cli.rundir import RunDir
@@ -72,8 +72,10 @@ _LINE_PREFIX = re.compile(
 )
 _EXCEPTION_LINE = re.compile(r"^((?:\w+\.)*\w*(?:Error|Exception|Exit|Failure)\w*): (\S.*)$")
 # Lines that only point at the real cause: vLLM's front end ends an engine's failed start with
-# "RuntimeError: Engine core initialization failed. See root cause above. ...".
-_POINTER = re.compile(r"\b(?:see|check)\b.*\babove\b", re.IGNORECASE)
+# "RuntimeError: Engine core initialization failed. See root cause above. ...", and a trainer rank
+# whose peer failed first with gloo's "Connection closed by peer ... This is typically caused by a
+# remote worker crashing" (the peer's own error is the cause, wherever it is in the log).
+_POINTER = re.compile(r"\b(?:see|check)\b.*\babove\b|caused by a remote worker crashing", re.IGNORECASE)
 _PYDANTIC_HEAD = re.compile(r"^\d+ validation errors? for (\w+)$")
 TELLING_LINE_CHARS = 300
 _START_MARK = re.compile(r"^=== [\d-]+ [\d:]+ start: .*$", re.MULTILINE)
@@ -105,12 +107,41 @@ def _shortened(text: str) -> str:
     return text[: end + 1] if end > TELLING_LINE_CHARS // 2 else text[: TELLING_LINE_CHARS - 3] + "..."
 
 
+def exit_description(code: int) -> str:
+    """How a process ended, for messages: ``was killed by SIGKILL`` or ``failed (exit code 1)``."""
+    return f"was killed by {signal_name(-code)}" if code < 0 else f"failed (exit code {code})"
+
+
+# torchrun's summary of a failed worker group (torch.distributed.elastic ChildFailedError).
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-\d+) \(pid: (\d+)\)", re.DOTALL
+)
+
+
+def killed_rank(tail: str) -> str | None:
+    """``rank 1 (pid 42) was killed by SIGKILL`` when torchrun reports that a signal ended its first
+    failed worker: the other ranks' errors (a peer's closed connection) are only the consequence."""
+    matches = list(_ROOT_CAUSE.finditer(tail))
+    if not matches:
+        return None
+    rank, code, pid = matches[-1].groups()
+    return f"rank {rank} (pid {pid}) {exit_description(int(code))}"
+
+
+def job_failure(name: str, code: int, log_path: Path) -> str:
+    """The message for a job that ended with ``code``: killed by a signal from outside, one line
+    (nothing in its log says why); else ``failure_message``."""
+    if code < 0:
+        return f"the {name} {exit_description(code)}; log: {log_path}"
+    return failure_message(f"the {name} {exit_description(code)}", log_path, 25)
+
+
 def failure_message(what: str, log_path: Path, lines: int = 20) -> str:
     """``what`` failed: with the log line that says why and the log's path, or when no line says
     it, the log's path and its last ``lines`` lines."""
     # The log is appended to by every start of the process: only this start's lines count.
     this_start = _START_MARK.split(log_tail(log_path, 400, max_bytes=65536))[-1].strip("\n")
-    why = telling_line(this_start)
+    why = killed_rank(this_start) or telling_line(this_start)
     if why is not None:
         return f"{what}: {why}\nlog: {log_path}"
     tail = "\n".join(this_start.splitlines()[-lines:])
@@ -249,14 +280,42 @@ class Supervisor:
                 on_tick()
             if code is not None:
                 return code
-            watched = set(fatal_services) if fatal_services is not None else None
-            with self._lock:
-                for other in self.processes.values():
-                    if other.spec.kind != "service" or other.returncode is None:
-                        continue
-                    if watched is None or other.spec.name in watched:
-                        raise self._failure(other, "died")
+            self._check_services(fatal_services)
             time.sleep(tick_s)
+
+    def wait_jobs(
+        self,
+        names: Iterable[str],
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 0.5,
+        fatal_services: Iterable[str] | None = None,
+    ) -> None:
+        """Wait until every named job has exited 0. The first one to end otherwise raises
+        ``LaunchError`` at once, naming it and its log: the others may wait for it forever (a
+        learner for the batches of a killed orchestrator). Services as in ``wait_job``."""
+        pending = list(names)
+        while pending:
+            if on_tick is not None:
+                on_tick()
+            for name in list(pending):
+                proc = self.processes[name]
+                code = proc.returncode
+                if code == 0:
+                    pending.remove(name)
+                elif code is not None:
+                    raise LaunchError(job_failure(name, code, proc.log_path))
+            if pending:
+                self._check_services(fatal_services)
+                time.sleep(tick_s)
+
+    def _check_services(self, fatal_services: Iterable[str] | None) -> None:
+        watched = set(fatal_services) if fatal_services is not None else None
+        with self._lock:
+            for other in self.processes.values():
+                if other.spec.kind != "service" or other.returncode is None:
+                    continue
+                if watched is None or other.spec.name in watched:
+                    raise self._failure(other, "died")
 
     def stop(self, name: str, grace_s: float = TERM_GRACE_S) -> None:
         with self._lock:

@@ -24,6 +24,9 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("eval loss", "eval/loss", "{:.4f}"),
     ("KV-cache use", "engine/kv_cache_usage", "{:.0%}"),
     ("staleness", "async/staleness_mean", "{:.2f}"),
+    # Failed samples (reward 0; records in sample_errors.jsonl) and retried requests, run totals.
+    ("sample errors", "rollout/errors", "{:,.0f}"),
+    ("request retries", "rollout/retries", "{:,.0f}"),
 )
 
 

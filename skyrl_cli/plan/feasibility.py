@@ -22,6 +22,7 @@ from skyrl_cli.errors import UsageError
 from skyrl_cli.plan.inference import VLLM_HEAD_SIZES, VLLM_LORA_RANKS
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.trainer import trainer_device, world_size
+from skyrl_cli.plan.weight_sync import weight_sync_problems
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.schema import Recipe
 from skyrl_cli.recipe.validate import Problem, resolve_path
@@ -49,7 +50,7 @@ def feasibility_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path |
     problems = _core_problems(recipe, machine) + _device_problems(recipe, machine)
     base_dir = base_dir or Path.cwd()
     problems += _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe) + lora_problems(recipe, base_dir)
-    return problems + quantization_problems(recipe, base_dir)
+    return problems + quantization_problems(recipe, base_dir) + weight_sync_problems(recipe, machine)
 
 
 def assert_feasible(recipe: Recipe, machine: MachineFacts) -> None:
@@ -160,8 +161,8 @@ def _model_type(recipe: Recipe, base_dir: Path) -> str | None:
     """The architecture of the recipe's model (``config.json``'s model_type); None when unknown."""
     if recipe.model.init is not None:
         return recipe.model.init.arch
-    config = _config_json(resolve_path(recipe.model.path, base_dir))
-    return config.get("model_type") if config else None
+    model_type = (_config_json(resolve_path(recipe.model.path, base_dir)) or {}).get("model_type")
+    return model_type if isinstance(model_type, str) else None  # a hand-edited config may hold anything
 
 
 def lora_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
@@ -204,14 +205,14 @@ def _llama_shape(recipe: Recipe, base_dir: Path) -> dict | None:
         return {"hidden": init.hidden_size, "intermediate": init.intermediate_size or 4 * init.hidden_size,
                 "attention": init.hidden_size, "layers": init.layers}  # fmt: skip
     config = _config_json(resolve_path(recipe.model.path if source == "sft" else source, base_dir))
-    if not config or config.get("model_type") not in LLAMA_LIKE:
+    if not config or not isinstance(config.get("model_type"), str) or config["model_type"] not in LLAMA_LIKE:
         return None
     try:
         heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
         attention = heads * int(config.get("head_dim") or hidden // heads)
         return {"hidden": hidden, "intermediate": int(config["intermediate_size"]), "attention": attention,
                 "layers": int(config["num_hidden_layers"])}  # fmt: skip
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, ArithmeticError):  # no heads, Infinity, ...: shape unknown
         return None
 
 
@@ -259,7 +260,12 @@ def quantization_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
     if recipe.model.lora is not None:
         problems.append(Problem(("model", "lora"), "INT4 quantization fine-tunes and exports all weights, not LoRA "
                                                    "adapters; remove model.lora or the [quantization] section"))  # fmt: skip
-    if quant.init_from == "sft" and recipe.sft is None:
+    # with [rl] the section also acts there (int4_qat, int4_rollouts); init_from is skyrl quantize's,
+    # which says itself when there is no model to quantize
+    if quant.init_from == "sft" and recipe.sft is None and recipe.rl is None:
         why = '"sft" is this recipe\'s SFT output, but the recipe has no [sft] section; give a checkpoint directory'
         problems.append(Problem(("quantization", "init_from"), why))
+    if quant.int4_rollouts and recipe.rl is None:
+        problems.append(Problem(("quantization", "int4_rollouts"), "INT4 rollouts act in the RL stage and the recipe "
+                                                                   "has no [rl] section"))  # fmt: skip
     return problems + _target_problems(recipe, base_dir)

@@ -54,7 +54,7 @@ from typing import Literal, Sequence
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.plan.machine import cpu_has_native_bf16
 from skyrl_cli.recipe.lengths import with_model_lengths
-from skyrl_cli.recipe.schema import Recipe, SpeculativeConfig
+from skyrl_cli.recipe.schema import Recipe, RouterConfig, SpeculativeConfig
 
 ENGINE_MODEL_NAME = "policy"
 # Attention head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py);
@@ -113,7 +113,8 @@ def engine_dtype(recipe: Recipe, machine: Machine) -> str:
 
 
 def engine_argv(
-    recipe: Recipe, machine: Machine, port: int, model_dir: str, index: int = 0, async_mode: bool = False
+    recipe: Recipe, machine: Machine, port: int, model_dir: str, index: int = 0, async_mode: bool = False,
+    weight_sync: str = "disk",
 ) -> tuple[str, ...]:
     inf = recipe.inference
     argv = [
@@ -139,9 +140,9 @@ def engine_argv(
         argv += [
             "--tensor-parallel-size", str(inf.tensor_parallel),
             "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-            # Ready for the NCCL fast path (backends.inference.nccl_sync, not wired in yet); runs sync from disk.
-            "--weight-transfer-config", json.dumps({"backend": "nccl"}),
         ]  # fmt: skip
+    if weight_sync == "nccl":  # the receiving side of backends.inference.nccl_sync
+        argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if inf.speculative is not None:
         argv += ["--speculative-config", speculative_config_json(inf.speculative)]
     if recipe.model.lora is not None:
@@ -192,11 +193,13 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
 
 
 def engine_specs(
-    recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str, async_mode: bool = False
+    recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str, async_mode: bool = False,
+    weight_sync: str = "disk",
 ) -> list[ProcessSpec]:
     """One ProcessSpec per local engine (``recipe.inference.engines`` of them). The devices fit:
     ``skyrl_cli.plan.feasibility`` checked them when the recipe was loaded. ``async_mode``: the RL
-    stage runs with ``--async`` (more LoRA versions may be live at once, see ``max_loras``)."""
+    stage runs with ``--async`` (more LoRA versions may be live at once, see ``max_loras``);
+    ``weight_sync``: the RL run's (``skyrl_cli.plan.weight_sync``), "nccl" adds the transfer engine."""
     # A loaded recipe passes through unchanged; one built in code (tests, benchmarks) gets the
     # length defaults the loader would have given it.
     recipe = with_model_lengths(recipe)
@@ -210,7 +213,7 @@ def engine_specs(
             ProcessSpec(
                 name=engine_name(index),
                 role="engine",
-                argv=engine_argv(recipe, machine, port, model_dir, index, async_mode),
+                argv=engine_argv(recipe, machine, port, model_dir, index, async_mode, weight_sync),
                 env=env,
                 devices=devices,
                 ports=(port,),
@@ -232,6 +235,21 @@ def router_binary(machine: Machine) -> str:
     return shutil.which("vllm-router") or "vllm-router"
 
 
+def router_failure_args(router: RouterConfig) -> tuple[str, ...]:
+    """``[inference.router]``'s retry and circuit-breaker settings as vllm-router flags (0.1.17:
+    ``--retry-max-retries`` counts attempts, 1 is none; the breaker opens after consecutive failures
+    and closes after ``--cb-success-threshold`` successful trials)."""
+    args = (
+        "--retry-max-retries", str(router.retries + 1),
+        "--retry-initial-backoff-ms", str(router.retry_backoff_ms),
+        "--retry-max-backoff-ms", str(router.retry_max_backoff_ms),
+    )  # fmt: skip
+    if router.circuit_breaker_failures == 0:
+        return (*args, "--disable-circuit-breaker")
+    return (*args, "--cb-failure-threshold", str(router.circuit_breaker_failures),
+            "--cb-timeout-duration-secs", str(router.circuit_breaker_open_s))  # fmt: skip
+
+
 def router_spec(
     recipe: Recipe, machine: Machine, worker_urls: Sequence[str], port: int, prometheus_port: int
 ) -> ProcessSpec:
@@ -248,6 +266,7 @@ def router_spec(
         "--health-check-interval-secs", str(ROUTER_HEALTH_CHECK_INTERVAL_S),
         # Engines are already healthy when the router starts (the supervisor waited for them).
         "--worker-startup-timeout-secs", "30",
+        *router_failure_args(inf.router),
         "--log-level", "warning",
     )  # fmt: skip
     return ProcessSpec(

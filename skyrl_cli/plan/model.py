@@ -31,8 +31,9 @@ class ProcessSpec(Frozen):
     devices: tuple[str, ...] = Field((), description="Devices this process owns (cpu:N cores or cuda:N).")
     ports: tuple[int, ...] = ()
     ready: ReadinessCheck = Field(default_factory=ReadinessCheck)
-    # Engines and the router are services (run until torn down); a trainer is a job (its exit ends the stage).
-    kind: Literal["service", "job"] = "service"
+    # Engines and the router are services (run until torn down); a trainer is a job (its exit ends the
+    # stage); a setup job runs to its end before any service starts (e.g. the INT4 export engines serve).
+    kind: Literal["setup", "service", "job"] = "service"
 
 
 class LaunchPlan(Frozen):
@@ -45,3 +46,5 @@ class LaunchPlan(Frozen):
     engine_urls: tuple[str, ...] = ()
     router_url: str | None = None
     processes: tuple[ProcessSpec, ...] = ()
+    # RL: how policy versions reach the engines (skyrl_cli.plan.weight_sync); None for other stages.
+    weight_sync: Literal["nccl", "disk", "lora"] | None = None

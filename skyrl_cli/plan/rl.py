@@ -20,6 +20,7 @@ from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_specs, eng
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
+from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
 from skyrl_cli.recipe.schema import Recipe
 
 ORCHESTRATOR_NAME = "orchestrator"
@@ -46,7 +47,7 @@ def inference_machine(recipe: Recipe, machine: MachineFacts, device: str) -> Mac
 
 def orchestrator_spec(
     run_dir: Path, init_from: Path, router_url: str, engine_urls: list[str], machine: MachineFacts, async_mode: bool,
-    recipe_dir: Path | None = None,
+    recipe_dir: Path | None = None, weight_sync: str = "disk",
 ) -> ProcessSpec:
     """``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
     ``rl.environment`` modules are found next to the recipe, like its files (then the directory
@@ -57,6 +58,7 @@ def orchestrator_spec(
         "--init-from", str(init_from),
         "--router-url", router_url,
         "--engine-urls", ",".join(engine_urls),
+        "--weight-sync", weight_sync,
     ]  # fmt: skip
     if async_mode:
         argv.append("--async")
@@ -64,6 +66,20 @@ def orchestrator_spec(
         argv += ["--import-path", str(recipe_dir)]
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     return ProcessSpec(name=ORCHESTRATOR_NAME, role="orchestrator", argv=tuple(argv), env=env, kind="job")
+
+
+def int4_setup(recipe: Recipe, run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
+    """With ``quantization.int4_rollouts`` the engines serve W4A16 from the start: a setup job
+    exports the initial policy into ``int4/`` and the engines load that; every later version comes
+    from the learner, already exported. Returns (setup jobs, the model the engines start from)."""
+    from skyrl_cli.plan.quantize import ptq_spec
+    from skyrl_cli.rundir import RunDir
+
+    if recipe.quantization is None or not recipe.quantization.int4_rollouts:
+        return (), init_from
+    spec = ptq_spec(run_dir, str(init_from), machine)
+    spec = spec.model_copy(update={"kind": "setup", "argv": (*spec.argv, "--setup")})
+    return (spec,), RunDir(run_dir).int4
 
 
 def plan_rl(
@@ -75,17 +91,21 @@ def plan_rl(
     init_from = init_model_dir(recipe)
     device = trainer_device(recipe, machine)
     inf_machine = inference_machine(recipe, machine, device)
-    ports = machine.free_ports(inf.engines + 3)
-    engine_ports, (router_port, prometheus_port, rdzv_port) = ports[: inf.engines], ports[inf.engines :]
-    engines = engine_specs(recipe, inf_machine, engine_ports, str(init_from), async_mode)
+    weight_sync = select_weight_sync(recipe, device, device == "cuda" and vllm_weight_transfer_available())
+    ports = machine.free_ports(inf.engines + 4)
+    engine_ports, (router_port, prometheus_port, rdzv_port, nccl_port) = ports[: inf.engines], ports[inf.engines :]
+    router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
+    setup, served = int4_setup(recipe, run_dir, init_from, machine)
+    engines = engine_specs(recipe, inf_machine, engine_ports, str(served), async_mode, weight_sync)
     urls = all_engine_urls(recipe, inf_machine, engine_ports)
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
     router_url = engine_url(inf_machine, router_port)
     trainer = trainer_spec(
         recipe, run_dir, machine, module=LEARNER_MODULE, resume=resume,
-        resources=trainer_resources(recipe, machine), port=rdzv_port, extra_args=("--init-from", str(init_from)),
+        resources=trainer_resources(recipe, machine), port=rdzv_port,
+        extra_args=("--init-from", str(init_from), *learner_sync_args(recipe, weight_sync, urls, machine.host, nccl_port)),
     )  # fmt: skip
-    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir)
+    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync)
     return LaunchPlan(
         stage="rl",
         run_dir=str(run_dir),
@@ -95,5 +115,19 @@ def plan_rl(
         world_size=world_size(recipe),
         engine_urls=tuple(urls),
         router_url=router_url,
-        processes=(*engines, router, orchestrator, trainer),
+        processes=(*setup, *engines, router, orchestrator, trainer),
+        weight_sync=weight_sync,
     )
+
+
+def learner_sync_args(recipe: Recipe, weight_sync: str, engine_urls: list[str], host: str, port: int) -> tuple[str, ...]:
+    """The learner's side of the NCCL sync: rank 0 opens the group at ``host:port`` (the rendezvous
+    of the trainer's sender and every engine worker) and drives the engines' transfer routes."""
+    if weight_sync != "nccl":
+        return ()
+    return (
+        "--weight-sync", "nccl",
+        "--engine-urls", ",".join(engine_urls),
+        "--tensor-parallel", str(recipe.inference.tensor_parallel),
+        "--nccl-address", f"{host}:{port}",
+    )  # fmt: skip

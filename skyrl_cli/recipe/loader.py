@@ -87,9 +87,15 @@ class _Formatter:
         return (line, f"{self.file}:{line}: {key}{problem.message}")
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its control characters escaped: a value holding a newline (``name = "a\\nb"``)
+    must not break the one-line-per-problem output."""
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
+
+
 def _raise(lines: list[tuple[int, str]]) -> None:
     lines.sort(key=lambda pair: pair[0])  # stable: schema order within one line
-    raise RecipeError([text for _, text in lines])
+    raise RecipeError([_one_line(text) for _, text in lines])
 
 
 def load_recipe(
@@ -101,9 +107,18 @@ def load_recipe(
     together). Lengths left to the model come back concrete (``skyrl_cli.recipe.lengths``)."""
     file = str(path)
     recipe_path = Path(path)
-    if not recipe_path.is_file():
+    try:
+        found = recipe_path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system
+        found = False
+    if not found:
         raise RecipeError([f"recipe file not found: {file}"])
-    source = recipe_path.read_text(encoding="utf-8")
+    raw = recipe_path.read_bytes()
+    try:
+        source = raw.decode("utf-8")
+    except UnicodeDecodeError as err:  # TOML is UTF-8 by definition
+        line = raw[: err.start].count(b"\n") + 1
+        raise RecipeError([f"{file}:{line}: not UTF-8 text (byte {raw[err.start]:#04x}); TOML files are UTF-8"]) from None
     try:
         data = tomllib.loads(source)
     except tomllib.TOMLDecodeError as err:

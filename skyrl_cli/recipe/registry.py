@@ -109,6 +109,10 @@ def builtin_path(name: str) -> Path:
 def resolve_recipe_arg(arg: str) -> Path:
     """A recipe argument is a file path, or else the name of a built-in recipe."""
     path = Path(arg)
-    if path.exists() or path.suffix == ".toml" or "/" in arg:
+    try:
+        exists = path.exists()
+    except (OSError, ValueError):  # a name too long for the file system: load_recipe says not found
+        exists = True
+    if exists or path.suffix == ".toml" or "/" in arg:
         return path
     return builtin_path(arg)

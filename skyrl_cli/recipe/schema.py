@@ -29,7 +29,8 @@ BUILTIN_TASKS = ("addition", "reversal")
 class Section(BaseModel):
     """Base of every recipe table: immutable, unknown keys rejected."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # No float key means anything at infinity (a timeout of inf s crashed the planner's int()).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -240,7 +241,7 @@ class RlConfig(Section):
     save_every: NonNegativeInt = Field(10, description="Checkpoint every k steps (0: only at the end).")
     keep_last: PositiveInt = Field(2, description="Checkpoints kept on disk.")
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, populate_by_name=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, populate_by_name=True, allow_inf_nan=False)
 
 
 # ------------------------------------------------------------------------------------------- runtime
@@ -251,6 +252,34 @@ class RouterConfig(Section):
         "sticky_least_loaded", "consistent_hash", "round_robin", "power_of_two", "cache_aware", "random"
     ] = Field("sticky_least_loaded", description="vllm-router load-balancing policy.")
     port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(None, description="Router port (default: a free one).")
+    # Failures between the router and an engine (a 5xx, a reset connection). The rollout client
+    # retries too (inference.max_retries); these act first, inside the router, on another engine
+    # when one is healthy.
+    retries: Annotated[int, Field(ge=0, le=100)] = Field(
+        3, description="Router retries of a failed engine request (0: none; then the rollout client's retries act)."
+    )
+    retry_backoff_ms: Annotated[int, Field(ge=1, le=60_000)] = Field(
+        100, description="Router: wait before the first retry; each next one waits 1.5 times longer."
+    )
+    retry_max_backoff_ms: Annotated[int, Field(ge=1, le=600_000)] = Field(
+        5_000, description="Router: the longest wait between two retries."
+    )
+    circuit_breaker_failures: Annotated[int, Field(ge=0, le=100_000)] = Field(
+        10,
+        description="Router: failures of one engine that open its circuit breaker (no requests go to it until "
+        "circuit_breaker_open_s has passed and a trial request succeeds); 0: no circuit breaker.",
+    )
+    circuit_breaker_open_s: Annotated[int, Field(ge=1, le=3600)] = Field(
+        10, description="Router: how long an open circuit breaker keeps an engine out before a trial request."
+    )
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> "RouterConfig":
+        if self.retry_max_backoff_ms < self.retry_backoff_ms:
+            raise ValueError(
+                f"retry_max_backoff_ms ({self.retry_max_backoff_ms}) must be >= retry_backoff_ms ({self.retry_backoff_ms})"
+            )
+        return self
 
 
 class SpeculativeConfig(Section):
@@ -269,7 +298,8 @@ class SpeculativeConfig(Section):
 class InferenceConfig(Section):
     """vLLM engines behind vllm-router."""
 
-    engines: NonNegativeInt = Field(1, description="Local vLLM engines to start.")
+    # Each local engine takes a port and a core (or GPUs) of this host: thousands is never a layout.
+    engines: Annotated[int, Field(ge=0, le=1024)] = Field(1, description="Local vLLM engines to start (at most 1024).")
     urls: tuple[str, ...] = Field((), description="Already-running engines on other hosts (http://host:port).")
     tensor_parallel: PositiveInt = Field(1, description="GPUs per engine (tensor parallelism).")
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(0.85, description="vLLM GPU memory share.")
@@ -285,6 +315,13 @@ class InferenceConfig(Section):
     max_retries: NonNegativeInt = Field(3, description="Retries of a failed request.")
     router: RouterConfig = Field(default_factory=RouterConfig)
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding.")
+    weight_sync: Literal["auto", "nccl", "disk"] = Field(
+        "auto",
+        description='How the RL stage gets each policy version into the engines. "nccl": trainer rank 0 '
+        "broadcasts the weights into the engines (vLLM's NCCL weight transfer; CUDA, local engines, full "
+        'fine-tuning with ZeRO 0-2); "disk": safetensors in the run directory and an engine reload; '
+        '"auto": nccl where it can run, else disk. LoRA always syncs adapters.',
+    )
 
     @model_validator(mode="after")
     def _some_engine(self) -> "InferenceConfig":
@@ -327,8 +364,14 @@ class QuantizationConfig(Section):
 
     int4_qat: bool = Field(
         False,
-        description="Train the [sft] stage under INT4 fake-quant and export it as INT4 too "
-        "(skyrl quantize --int4-qat does this whatever the value).",
+        description="Train under INT4 fake-quant: the [sft] stage (and export it as INT4 too; skyrl quantize "
+        "--int4-qat does this whatever the value) and the RL learner.",
+    )
+    int4_rollouts: bool = Field(
+        False,
+        description="RL stage: the engines serve the INT4 (W4A16) export of every policy version while the learner "
+        "keeps full-precision master weights (under fake-quant with int4_qat = true, which shrinks the engine-vs-"
+        "trainer logprob gap). Each weight sync re-exports and reloads the INT4 weights.",
     )
     group_size: Literal[32, 64, 128] = Field(32, description="Quantization group size; must divide every target's input width.")
     targets: tuple[str, ...] = Field(

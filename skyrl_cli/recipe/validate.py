@@ -31,15 +31,8 @@ class NotYetImplemented:
     example: str  # a --set that triggers it (the tests use it)
 
 
-NOT_YET_IMPLEMENTED: tuple[NotYetImplemented, ...] = (
-    # INT4 QAT runs in the SFT stage and skyrl quantize; the RL learner and INT4 rollouts do not use it yet.
-    NotYetImplemented(
-        "quantization.int4_qat",
-        lambda r: r.quantization is not None and r.quantization.int4_qat and r.rl is not None,
-        "INT4 QAT in the RL stage",
-        "quantization.int4_qat=true",
-    ),
-)
+# Empty today: every key the schema accepts acts. A knob that lands before its code goes here.
+NOT_YET_IMPLEMENTED: tuple[NotYetImplemented, ...] = ()
 
 
 def not_yet_implemented(recipe: Recipe) -> list[Problem]:
@@ -74,7 +67,24 @@ def _get(data: Any, path: tuple[str, ...]) -> Any:
 
 
 def resolve_path(value: str, base_dir: Path) -> Path:
-    return (base_dir / Path(value).expanduser()).resolve()
+    """``value`` against ``base_dir``; a value no file can have (a NUL byte, ``~user`` of no such
+    user) comes back unresolved, and ``missing_files`` reports it."""
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:
+        path = Path(value)
+    try:
+        return (base_dir / path).resolve()
+    except (OSError, ValueError):
+        return base_dir / path
+
+
+def _path_problem(value: str, base_dir: Path) -> str | None:
+    try:
+        found = resolve_path(value, base_dir).exists()
+    except (OSError, ValueError) as err:  # a name too long, a NUL byte
+        return f"not a usable path: {value!r} ({getattr(err, 'strerror', None) or err})"
+    return None if found else f"file not found: {value}"
 
 
 def missing_files(data: dict[str, Any], base_dir: Path) -> list[Problem]:
@@ -82,8 +92,9 @@ def missing_files(data: dict[str, Any], base_dir: Path) -> list[Problem]:
     problems = []
     for path, keywords in PATH_KEYS.items():
         value = _get(data, path)
-        if isinstance(value, str) and value not in keywords and not resolve_path(value, base_dir).exists():
-            problems.append(Problem(path, f"file not found: {value}"))
+        problem = _path_problem(value, base_dir) if isinstance(value, str) and value not in keywords else None
+        if problem:
+            problems.append(Problem(path, problem))
     return problems
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from .conftest import REPO
 
-HEAVY = ("torch", "vllm", "deepspeed", "transformers", "wandb", "peft", "torchao")
+HEAVY = ("torch", "vllm", "deepspeed", "transformers", "wandb", "peft", "torchao", "matplotlib")
 
 PROBE = """
 import json, sys
@@ -25,7 +25,8 @@ print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))
 
 @pytest.mark.parametrize(
     "args",
-    [["--help"], ["recipes", "validate", "recipes/quickstart.toml"], ["recipes", "ls"], ["completions", "bash"]],
+    [["--help"], ["recipes", "validate", "recipes/quickstart.toml"], ["recipes", "ls"], ["completions", "bash"], ["runs", "ls"],
+     ["doctor", "recipes/quickstart.toml", "--quick"]],
     ids=" ".join,
 )
 def test_cli_imports_nothing_heavy(args):

@@ -148,7 +148,10 @@ def test_group_sizes_are_checked_against_the_checkpoint_that_is_quantized(tmp_pa
     ]
 
 
-def test_int4_qat_with_an_rl_stage_is_not_implemented_yet(skyrl):
-    result = skyrl("recipes", "validate", "quickstart", "--set", "quantization.int4_qat=true")
-    assert result.err == "error: --set: quantization.int4_qat: INT4 QAT in the RL stage is not implemented yet; remove this setting\n"
+def test_int4_qat_and_int4_rollouts_validate_with_an_rl_stage(skyrl):
+    for sets in (["quantization.int4_qat=true"], ["quantization.int4_rollouts=true", "quantization.int4_qat=true"]):
+        result = skyrl("recipes", "validate", "quickstart", *(a for s in sets for a in ("--set", s)))
+        assert result.code == 0, result.err
+    result = skyrl("rl", "quickstart", "--dry-run", "--set", "quantization.int4_rollouts=true")
+    assert result.code == 0 and "quantizer" in result.out, result.err
     assert skyrl("recipes", "validate", "quickstart", "--set", "quantization.group_size=32").code == 0

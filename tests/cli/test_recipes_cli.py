@@ -13,6 +13,28 @@ from skyrl_cli.recipe.registry import builtin_recipes
 from .conftest import REPO, run_console_script
 
 BROKEN = sorted((REPO / "tests" / "recipes_broken").glob("*.toml"))
+MODEL_CONFIGS = REPO / "benchmarks" / "model_configs"
+
+
+@pytest.fixture
+def fetched_assets(tmp_path, monkeypatch):
+    """What ``scripts/fetch_assets.py`` puts under ``~/.cache/skyrl`` for the real-model recipes, in
+    a home of its own: each model's real config.json (no weights: validation and plans read only
+    the config) and a few GSM8K rows in the format of ``backends.data.gsm8k``."""
+    from backends.data.gsm8k import gsm8k_row
+
+    root = tmp_path / "home" / ".cache" / "skyrl"
+    for size in ("0.5B", "1.5B"):
+        model = root / "models" / f"Qwen2.5-{size}-Instruct"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text((MODEL_CONFIGS / f"qwen2.5-{size.lower()}-instruct.json").read_text())
+    data = root / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    row = gsm8k_row("Natalia sold 48 clips in April and half as many in May. How many in all?", "48/2 = <<48/2=24>>24\n#### 72")
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return root
 
 
 def expectations(path: Path) -> tuple[list[str], list[str]]:
@@ -80,11 +102,31 @@ def test_broken_recipe_through_the_console_script(name):
 
 
 @pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)
-def test_every_builtin_recipe_validates(skyrl, recipe):
+def test_every_builtin_recipe_validates(skyrl, recipe, fetched_assets):
     for gpus in ("0", "8"):
         result = skyrl("recipes", "validate", recipe.name, "--gpus", gpus)
         assert result.code == 0, result.err
         assert result.out.strip() == f"ok: {recipe.name}"
+
+
+@pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)
+def test_every_builtin_recipe_plans_on_an_8_gpu_node_with_trainer_and_engines_apart(skyrl, recipe, fetched_assets, monkeypatch, tmp_path):
+    """The dry-run plan of each stage on 8 GPUs: every process on its own GPUs (NCCL refuses two
+    ranks of one group on one device), and full-weight RL syncing over NCCL."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(8))))
+    for stage in recipe.stages:
+        result = skyrl(stage, recipe.name, "--dry-run", "--json", "--run-dir", str(tmp_path / stage))
+        assert result.code == 0, result.err
+        plan = json.loads(result.out)
+        assert plan["device"] == "cuda"
+        owners = [d for p in plan["processes"] for d in p["devices"] if d.startswith("cuda:")]
+        assert owners and len(owners) == len(set(owners)), owners
+        if stage == "rl":
+            trainer = {d for p in plan["processes"] if p["role"] == "trainer" for d in p["devices"]}
+            engines = {d for p in plan["processes"] if p["role"] == "engine" for d in p["devices"]}
+            assert trainer and engines and trainer.isdisjoint(engines)
+            lora = "lora =" in recipe.path.read_text()
+            assert plan["weight_sync"] == ("lora" if lora else "nccl")
 
 
 @pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)

@@ -75,9 +75,16 @@ def test_gpu_engines_tensor_parallel_placement():
     for s in specs:
         assert flag(s.argv, "--tensor-parallel-size") == "2"
         assert flag(s.argv, "--gpu-memory-utilization") == "0.7"
-        assert json.loads(flag(s.argv, "--weight-transfer-config")) == {"backend": "nccl"}
+        assert "--weight-transfer-config" not in s.argv  # only for the NCCL weight sync, below
         assert "--enforce-eager" not in s.argv and "--kv-cache-memory-bytes" not in s.argv
         assert "VLLM_CPU_OMP_THREADS_BIND" not in s.env and "SKYRL_ENGINE_IDLE_SPIN_S" not in s.env
+
+
+def test_gpu_engines_get_the_weight_transfer_engine_only_for_the_nccl_sync():
+    for mode in ("disk", "lora"):
+        assert all("--weight-transfer-config" not in s.argv for s in engine_specs(recipe(), GPU, [1, 2], "m", weight_sync=mode))
+    for s in engine_specs(recipe(), GPU, [1, 2], "m", weight_sync="nccl"):
+        assert json.loads(flag(s.argv, "--weight-transfer-config")) == {"backend": "nccl"}
 
 
 def test_port_count_must_match():

@@ -181,3 +181,26 @@ def test_export_needs_int4_layers(tmp_path, tok):
         export.export_w4a16(tiny(tok), tok, tmp_path / "out")
     with pytest.raises(ValueError, match="call prepare_qat first"):
         fake_quant.convert_qat(tiny(tok), QuantizationConfig())
+
+
+def test_a_policy_version_for_int4_rollouts_is_the_rtn_export_of_the_fake_quant_learner(tmp_path, tok):
+    """What the RL learner publishes with quantization.int4_rollouts: its master weights (under
+    fake-quant) saved by the trainer's exporter, as W4A16 whose codes are the ones it trained with;
+    the full-precision copy the exporter wrote is gone."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.models.loading import save_hf
+
+    cfg = QuantizationConfig(int4_qat=True, int4_rollouts=True, group_size=32)
+    learner = fake_quant.maybe_prepare_qat(tiny(tok, seed=5), cfg, say=lambda _: None)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        fake_logits = learner(ids).logits
+    out = tmp_path / "weights" / "v3"
+    out.mkdir(parents=True)
+    report = export.export_version(lambda d: save_hf(learner, tok, d), out, cfg)
+    assert report.layers == 14 and 0 < report.size_ratio < 0.35
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    served = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(served(ids).logits, fake_logits)
