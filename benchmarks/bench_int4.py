@@ -121,15 +121,22 @@ def one_seed(seed: int, args, out: Path) -> dict:
     return {"seed": seed, "accuracy": acc, "size_ratio": size, "recovery": recovery}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    out = args.out or Path(tempfile.mkdtemp(prefix="bench-int4-"))
+def run_seeds(one_seed, args, prefix: str) -> list[dict]:
+    """``one_seed(seed, args, folder)`` for every ``--seeds``, each in its own folder under
+    ``--out`` (default: a new temporary one); the results also go to ``--json`` when given."""
+    out = args.out or Path(tempfile.mkdtemp(prefix=prefix))
     results = []
     for seed in args.seeds:
         (out / f"seed-{seed}").mkdir(parents=True, exist_ok=True)
         results.append(one_seed(seed, args, (out / f"seed-{seed}").resolve()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    results = run_seeds(one_seed, args, "bench-int4-")
     recoveries = [r["recovery"] for r in results]
     print(f"size ratio INT4 export / full precision: {statistics.median(r['size_ratio']['qat'] for r in results):.3f}x")
     print(f"median recovery (QAT - PTQ) / (full - PTQ) over {len(results)} seed(s): {statistics.median(recoveries):.2f}")

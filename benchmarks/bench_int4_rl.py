@@ -20,14 +20,12 @@ the ratio of the gap with fake-quant on to off.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int4 import RECIPE, skyrl  # noqa: E402  (one skyrl runner for both INT4 benchmarks)
+from bench_int4 import RECIPE, run_seeds, skyrl  # noqa: E402  (one runner for both INT4 benchmarks)
 
 VARIANTS = {
     "bf16 rollouts": [],
@@ -76,13 +74,7 @@ def one_seed(seed: int, args, out: Path) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    out = args.out or Path(tempfile.mkdtemp(prefix="bench-int4-rl-"))
-    results = []
-    for seed in args.seeds:
-        (out / f"seed-{seed}").mkdir(parents=True, exist_ok=True)
-        results.append(one_seed(seed, args, (out / f"seed-{seed}").resolve()))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    results = run_seeds(one_seed, args, "bench-int4-rl-")
     for name in VARIANTS:
         finals = [r["runs"][name]["accuracy_final"] for r in results]
         gaps = [r["runs"][name]["logprob_diff_mean"] for r in results]

@@ -12,7 +12,8 @@ points, samples/s over the whole command, final accuracy after the same samples,
 (launch -> first evaluation), peak memory of the process tree, load average; for skyrl the phase
 medians its processes log (train, weight publish / sync, evaluation, waiting). Ratios last.
 
-    python benchmarks/peers/bench_grpo.py                  # 2 repetitions x (sync, async, TRL)
+    python benchmarks/peers/bench_grpo.py                  # 2 repetitions x (sync, async, TRL), the recipe's 40 steps
+    python benchmarks/peers/bench_grpo.py --reps 2 --steps 12 --trl-threads 1   # RESULTS.md (~14 min + the SFT once)
     python benchmarks/peers/bench_grpo.py --quick          # 1 repetition of 6 steps
     python benchmarks/peers/bench_grpo.py --sft-model runs/quickstart/sft/final --reps 3
 """

@@ -11,7 +11,10 @@ Per run: training tokens/s (real tokens, evaluation excluded), wall time from th
 first evaluation at ``--target`` held-out accuracy, final accuracy, wall time, peak resident memory
 of the whole process tree, load average. Ratios (skyrl / TRL variant) are printed last.
 
-    python benchmarks/peers/bench_sft.py                      # 2 repetitions, 800 steps (~15 min)
+    python benchmarks/peers/bench_sft.py                      # 2 repetitions, the recipe's 800 steps (long: 3-9 min
+                                                              # per side per 300 steps at load ~10 on 2 cores)
+    python benchmarks/peers/bench_sft.py --reps 1 --steps 300 --target 0.1 --trl-threads 1 \
+        --sides skyrl trl-default trl-padding_free --set data.train_size=38400      # RESULTS.md (~17 min)
     python benchmarks/peers/bench_sft.py --quick              # smoke check: 1 repetition, 60 steps
     python benchmarks/peers/bench_sft.py --sides skyrl trl-default --reps 3 --json sft.json
 """

@@ -10,7 +10,7 @@
 
 Every case: no traceback, no process left behind, the newest complete checkpoint loads.
 
-The RL cases start the whole stack twice each (about 17 minutes on 2 busy cores), more than the
+The RL cases start the whole stack twice each (10 minutes on 2 quiet cores, 20 on busy ones), more than the
 CI budget allows; they run with ``SKYRL_FAULTS_RL=1``:
 
     SKYRL_FAULTS_RL=1 .venv/bin/python -m pytest -q -m faults tests/faults/test_process_faults.py
@@ -50,7 +50,7 @@ def no_driver_left():
     Driver.stop_all()
 
 rl_runs = pytest.mark.skipif(
-    os.environ.get("SKYRL_FAULTS_RL", "") in ("", "0"), reason="RL fault runs take ~17 min; set SKYRL_FAULTS_RL=1"
+    os.environ.get("SKYRL_FAULTS_RL", "") in ("", "0"), reason="RL fault runs take 10-20 min; set SKYRL_FAULTS_RL=1"
 )
 STEPS = 8
 RL_RECIPE = """

@@ -3,7 +3,7 @@ vLLM CPU) of every policy version while the learner trains full-precision master
 INT4 fake-quant; ``train/logprob_diff`` stays at the size of the bf16 engine's rounding.
 
 The learning figure (held-out accuracy rises; the gap is smaller with fake-quant on than off)
-needs more steps than a test may take: it is ``benchmarks/bench_int4.py --rl`` (RESULTS.md)."""
+needs more steps than a test may take: it is ``benchmarks/bench_int4_rl.py`` (RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -13,46 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_runs import events, run_skyrl
+from tests.integration.test_rl import RECIPE as RL_RECIPE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-RECIPE = """
-name = "rlint4"
-seed = 2
-
-[model]
-init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128 }
-tokenizer = "char"
-
-[data]
-task = "addition"
-digits = 2
-eval_size = 16
-
-[sft]
-steps = 30
-batch_size = 32
-learning_rate = 3e-3
-warmup_steps = 5
-eval_every = 0
-save_every = 0
-
-[rl]
-init_from = "sft"
-steps = 3
-prompts_per_step = 4
-samples_per_prompt = 4
-max_new_tokens = 4
-eval_every = 0
-save_every = 0
-
-[inference]
-engines = 1
-max_num_seqs = 32
-
-[trainer]
-ranks = 1
-
+# test_rl.py's recipe (2 learner ranks, ZeRO-2) with INT4 rollouts; SFT stays in full precision
+RECIPE = RL_RECIPE.replace('name = "rltest"', 'name = "rlint4"') + """
 [quantization]
 group_size = 32
 int4_qat = false
