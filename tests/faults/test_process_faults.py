@@ -10,15 +10,14 @@
 
 Every case: no traceback, no process left behind, the newest complete checkpoint loads.
 
-The RL cases start the whole stack twice each (10 minutes on 2 quiet cores, 20 on busy ones), more than the
-CI budget allows; they run with ``SKYRL_FAULTS_RL=1``:
+Like every real-run fault test, these run with ``SKYRL_FAULTS=1`` (tests/faults/conftest.py); the
+RL cases start the whole stack twice each (10 minutes on 2 quiet cores, 20 on busy ones):
 
-    SKYRL_FAULTS_RL=1 .venv/bin/python -m pytest -q -m faults tests/faults/test_process_faults.py
+    SKYRL_FAULTS=1 .venv/bin/python -m pytest -q -m faults tests/faults/test_process_faults.py
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -44,14 +43,6 @@ from tests.integration.conftest import build_tiny_model
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
 
-@pytest.fixture(autouse=True)
-def no_driver_left():
-    yield
-    Driver.stop_all()
-
-rl_runs = pytest.mark.skipif(
-    os.environ.get("SKYRL_FAULTS_RL", "") in ("", "0"), reason="RL fault runs take 10-20 min; set SKYRL_FAULTS_RL=1"
-)
 STEPS = 8
 RL_RECIPE = """
 name = "faults"
@@ -168,7 +159,6 @@ def weights_diff(run: Path, other: Path) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@rl_runs
 @pytest.mark.parametrize(
     "target, seed, expected",
     [
@@ -201,7 +191,6 @@ def error_first_line(message: str) -> str:
     return message.splitlines()[0] if message else ""
 
 
-@rl_runs
 @pytest.mark.parametrize("target, seed, counter", [("router", 21, "router/restarts"), ("engine-0", 22, "engine/restarts")])
 def test_killed_service_comes_back_and_the_run_completes(workdir, straight, target, seed, counter):
     run = workdir / f"kill-{target}"

@@ -26,8 +26,8 @@ import pytest
 
 from skyrl_cli.rundir import RunDir
 from tests.faults.harness import (
-    TRACEBACK,
     Driver,
+    TRACEBACK,
     assert_checkpoint_intact,
     assert_clean_failure,
     losses,
@@ -37,13 +37,8 @@ from tests.faults.harness import (
 from tests.integration.cli_runs import run_skyrl
 from tests.integration.test_sft import ONE_STEP, long_tailed_rows, write_recipe
 
-pytestmark = [pytest.mark.faults, pytest.mark.integration]
+pytestmark = pytest.mark.faults  # the real runs are marked integration one by one
 
-
-@pytest.fixture(autouse=True)
-def no_driver_left():
-    yield
-    Driver.stop_all()
 
 TMPFS_MB = 64
 
@@ -84,6 +79,7 @@ def fill(directory: Path, leave: int) -> Path:
     return ballast
 
 
+@pytest.mark.integration
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_resumes(tmp_path, sft_straight):
     recipe, straight = sft_straight
     checkpoint = sum(f.stat().st_size for f in RunDir(straight).checkpoint(16).rglob("*") if f.is_file())
@@ -142,6 +138,7 @@ def test_run_directory_under_a_file_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "a-file").is_dir()
 
 
+@pytest.mark.integration
 def test_corrupt_or_vanished_data_file_names_it_and_resumes_once_fixed(tmp_path):
     train = write_rows(tmp_path / "train.jsonl")
     good = train.read_text()

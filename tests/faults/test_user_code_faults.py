@@ -16,7 +16,7 @@ import pytest
 
 from tests.faults.rl_runs import last_metric, run, sample_errors, tiny_rl_recipe, write_module
 
-pytestmark = [pytest.mark.faults, pytest.mark.integration]
+pytestmark = pytest.mark.faults  # the real runs are marked integration one by one
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ REWARD_ERRORS = {
 }
 
 
+@pytest.mark.integration
 def test_a_reward_that_raises_hangs_or_returns_no_number_scores_0_and_the_run_goes_on(tmp_path, tiny_model):
     write_module(tmp_path, "faulty_reward", FAULTY_REWARD.replace("{calls!r}", repr(str(tmp_path / "calls.jsonl"))))
     recipe = tiny_rl_recipe(tmp_path, tiny_model, rl={"reward": "faulty_reward:score", "reward_timeout_s": 1.0})
@@ -125,6 +126,7 @@ ENV_ERRORS = {
 }
 
 
+@pytest.mark.integration
 def test_an_environment_that_never_ends_or_returns_malformed_messages(tmp_path, tiny_model):
     write_module(tmp_path, "faulty_env", FAULTY_ENV)
     recipe = tiny_rl_recipe(tmp_path, tiny_model, rl={"environment": "faulty_env:Faulty", "max_turns": 3})
