@@ -341,7 +341,7 @@ class Orchestrator:
                 "rollout/turns_mean": sum(s.num_turns for s in samples) / max(1, len(samples)),
                 "rollout/groups": len(taken.groups),
                 "rollout/errors": self.errors,
-                "rollout/retries": getattr(self.client, "retries", 0),  # retried requests (RolloutClient counts them)
+                "rollout/retries": self.client.retries,  # retried requests (RolloutClient counts them)
                 "timing/wait_for_batch_s": time.perf_counter() - t0,
             }
             if rl.dynamic_sampling.enabled:

@@ -89,6 +89,7 @@ class RecordingClient:
 
     max_model_len = None
     model = "policy"
+    retries = 0  # the rollout client's count of retried requests (none here)
 
     def __init__(self, tokenizer, engines):
         self.in_flight: dict[str, int] = {}
