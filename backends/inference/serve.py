@@ -14,7 +14,9 @@ Why not the ``vllm`` console script:
 - vLLM's worker busy-waits (``sched_yield``) for 1 s after every message from its EngineCore before
   it sleeps on a socket. Between RL steps that kept one of a 2-core machine's cores at 100 % while
   the trainer and the rollout client needed it. ``SKYRL_ENGINE_IDLE_SPIN_S`` (set by the CPU launch
-  plan) shortens that window (``_limit_idle_spin``); GPU engines keep vLLM's default.
+  plan) shortens that window (``_limit_idle_spin``); GPU engines keep vLLM's default. CPU engines
+  now run the model inside the EngineCore (uni executor, ``skyrl_cli.plan.inference``), where no such
+  reader exists; the limit stays for any engine started with the multiprocess executor.
 """
 
 from __future__ import annotations

@@ -78,12 +78,17 @@ def launch_inference(
     step_fn: Callable[[], int] = lambda: 0,
     recover: bool = True,
     metrics_period_s: float | None = 5.0,
+    early_jobs: Sequence = (),
 ) -> InferenceStack:
-    """``engine_urls``: one per engine spec (same order), then any remote engines."""
+    """``engine_urls``: one per engine spec (same order), then any remote engines. ``early_jobs``
+    (ProcessSpecs) start right after the engines, before they are ready; one that fails meanwhile
+    ends the wait with its own error."""
     names = [spec.name for spec in engine_specs]
     for spec in engine_specs:
         supervisor.start(spec)
-    supervisor.wait_ready(names)
+    for spec in early_jobs:
+        supervisor.start(spec)
+    supervisor.wait_ready(names, watch_jobs=[spec.name for spec in early_jobs])
     run_blocking(bring_up_to_date(list(engine_urls), read_current_weights(run_dir)))
     supervisor.start(router_spec)
     supervisor.wait_ready([router_spec.name])

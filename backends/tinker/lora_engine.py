@@ -3,9 +3,10 @@
 Every targeted ``nn.Linear`` of the base model is wrapped in a ``MultiLoraLinear``. A pass over a
 batch whose rows belong to different adapters runs the base model's matmuls **once** over all rows;
 each wrapped layer then adds, for every adapter present, ``scale * (x[rows] @ A.T) @ B.T`` to that
-adapter's rows only (``index_add``; the rows come from the batch's per-row adapter index). So N
-tenants' forward/backward costs one base pass plus N small low-rank products, and each adapter's
-gradient comes from its own rows only.
+adapter's rows only. Inside a micro-batch each adapter's rows are contiguous, so ``rows`` is a
+slice (a view: no gather and scatter of activations, which at 16 x 64 tokens per adapter had made
+the batched pass 0.79x the speed of separate passes on CPU). So N tenants' forward/backward costs
+one base pass plus N small low-rank products, and each adapter's gradient comes from its own rows.
 
 Each adapter owns its parameters (``A [r, in]``, ``B [out, r]`` per wrapped layer) and its own
 ``torch.optim.AdamW``; an optimizer step, weight decay or gradient clipping of one adapter never
@@ -48,10 +49,11 @@ class EngineError(ValueError):
 
 
 class _Routing:
-    """Which rows of the current batch belong to which adapter (set around each pass)."""
+    """Which rows of the current batch belong to which adapter: ``(adapter, start, end)``, set
+    around each pass."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[Adapter, torch.Tensor]] = []
+        self.groups: list[tuple[Adapter, int, int]] = []
 
 
 class MultiLoraLinear(nn.Module):
@@ -69,13 +71,14 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for adapter, rows in self._routing.groups:
+        for adapter, start, end in self._routing.groups:
             pair = adapter.weights.get(self.path)
             if pair is None:
                 continue
             a, b = pair
-            delta = (x.index_select(0, rows) @ a.t()) @ b.t()
-            out = out.index_add(0, rows, delta * adapter.scale)
+            # in place on a slice of the base output: autograd records it, and the base's backward
+            # needs its input and weight, not its output
+            out[start:end] += ((x[start:end] @ a.t()) @ b.t()) * adapter.scale
         return out
 
 
@@ -220,6 +223,7 @@ class LoraEngine:
         return results
 
     def _micro_batch(self, items, rows, results, with_grad: bool) -> None:
+        rows = self._by_adapter(items, rows)
         width = max(len(d.tokens) for _, _, d in rows)
         n = len(rows)
         input_ids = torch.zeros(n, width, dtype=torch.long)
@@ -230,12 +234,10 @@ class LoraEngine:
             input_ids[r, :length] = torch.as_tensor(d.tokens, dtype=torch.long)
             targets[r, :length] = torch.as_tensor(d.targets, dtype=torch.long)
             mask[r, :length] = 1
-        by_adapter: dict[str, list[int]] = {}
+        spans: dict[str, list[int]] = {}
         for r, (i, _, _) in enumerate(rows):
-            by_adapter.setdefault(items[i].model_id, []).append(r)
-        self._routing.groups = [
-            (self.adapters[mid], torch.tensor(rs, dtype=torch.long, device=self.device)) for mid, rs in by_adapter.items()
-        ]
+            spans.setdefault(items[i].model_id, [r, r])[1] = r + 1
+        self._routing.groups = [(self.adapters[mid], start, end) for mid, (start, end) in spans.items()]
         input_ids, targets, mask = input_ids.to(self.device), targets.to(self.device), mask.to(self.device)
         try:
             with torch.enable_grad() if with_grad else torch.no_grad():
@@ -257,6 +259,15 @@ class LoraEngine:
                     total.backward()
         finally:
             self._routing.groups = []
+
+    @staticmethod
+    def _by_adapter(items, rows):
+        """``rows`` with each adapter's rows next to each other (a stable sort: the micro-batch's
+        width, its longest row, does not change)."""
+        order: dict[str, int] = {}
+        for item in items:
+            order.setdefault(item.model_id, len(order))
+        return sorted(rows, key=lambda r: order[items[r[0]].model_id])
 
     # ----------------------------------------------------------------------------- optimizer
 

@@ -115,6 +115,7 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
         stack = launch_inference(
             supervisor, engines, router, plan.engine_urls, plan.router_url, directory,
             writer=writer, step_fn=lambda: run_dir.latest_weights_version() or 0,
+            early_jobs=[p for p in plan.processes if p.kind == "job" and p.start_with_engines],
         )  # fmt: skip
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
             extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(run_dir.final)}
@@ -156,7 +157,7 @@ def run_jobs(supervisor, plan, stack, run, progress) -> None:
 
     jobs = [p.name for p in plan.processes if p.kind == "job"]
     for spec in plan.processes:
-        if spec.kind == "job":
+        if spec.kind == "job" and spec.name not in supervisor.processes:  # not started beside the engines
             supervisor.start(spec)
     # Engines and the router that die come back (stack.recovery); without it the router may not die.
     fatal = [] if stack.recovery is not None else [p.name for p in plan.processes if p.role == "router"]

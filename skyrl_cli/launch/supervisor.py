@@ -245,13 +245,20 @@ class Supervisor:
     def _failure(self, proc: ManagedProcess, what: str) -> LaunchError:
         return LaunchError(failure_message(f"{proc.spec.name} {what} (exit code {proc.returncode})", proc.log_path))
 
-    def wait_ready(self, names: Iterable[str] | None = None, timeout_s: float | None = None) -> None:
-        """Block until every named process answers its readiness URL with HTTP 200."""
+    def wait_ready(
+        self, names: Iterable[str] | None = None, timeout_s: float | None = None, watch_jobs: Iterable[str] = ()
+    ) -> None:
+        """Block until every named process answers its readiness URL with HTTP 200. A job in
+        ``watch_jobs`` (started beside them) that exits non-zero meanwhile raises ``LaunchError``."""
         with self._lock:
             pending = [self.processes[n] for n in (names or list(self.processes))]
+            watched = [self.processes[n] for n in watch_jobs]
         deadline = time.monotonic() + (timeout_s or max((p.spec.ready.timeout_s for p in pending), default=0))
         with httpx.Client(timeout=2.0) as client:
             while pending:
+                for job in watched:
+                    if job.returncode:
+                        raise LaunchError(job_failure(job.spec.name, job.returncode, job.log_path))
                 for proc in list(pending):
                     if proc.returncode is not None:
                         raise self._failure(proc, "exited before it was ready")

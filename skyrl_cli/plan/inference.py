@@ -134,8 +134,13 @@ def engine_argv(
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
     if machine.device == "cpu":
-        # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here.
-        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
+        # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here. The
+        # model runs in the EngineCore process (uni executor, with VLLM_ENABLE_V1_MULTIPROCESSING=0
+        # from engine_env): vLLM on CPU otherwise spawns a third process that imports torch and
+        # vLLM once more. Measured on 2 cores: ready in 23-25 s instead of 29-33 s, the same
+        # generation speed (benchmarks/RESULTS.md, "Start-up").
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes),
+                 "--distributed-executor-backend", "uni"]  # fmt: skip
     else:
         argv += [
             "--tensor-parallel-size", str(inf.tensor_parallel),
@@ -185,6 +190,10 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
         # with eager execution). SKYRL_ENGINE_IDLE_SPIN_S: see backends/inference/serve.py (an idle
         # engine otherwise spins a core the trainer needs).
         env.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"})
+        # vLLM's CPU platform forces the multiprocess executor unless this is 0; the API server
+        # still runs the EngineCore in a process of its own (AsyncLLM always does), so the OMP
+        # binding and LD_PRELOAD set before that spawn still apply to the process running the model.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env, (f"cpu:{core}",)
     tp = recipe.inference.tensor_parallel
     gpus = machine.engine_gpus[index * tp : (index + 1) * tp]

@@ -34,6 +34,10 @@ class ProcessSpec(Frozen):
     # Engines and the router are services (run until torn down); a trainer is a job (its exit ends the
     # stage); a setup job runs to its end before any service starts (e.g. the INT4 export engines serve).
     kind: Literal["setup", "service", "job"] = "service"
+    # A job that does not talk to the engines until the orchestrator hands it work (the RL learner
+    # on the disk or LoRA path) starts beside the engines instead of after them: its start-up
+    # (torchrun, ranks importing torch and DeepSpeed, the model) then overlaps theirs.
+    start_with_engines: bool = False
 
 
 class LaunchPlan(Frozen):

@@ -105,6 +105,8 @@ def plan_rl(
         resources=trainer_resources(recipe, machine), port=rdzv_port,
         extra_args=("--init-from", str(init_from), *learner_sync_args(recipe, weight_sync, urls, machine.host, nccl_port)),
     )  # fmt: skip
+    # With NCCL the learner opens its group with the engines at start-up, so it waits for them.
+    trainer = trainer.model_copy(update={"start_with_engines": weight_sync != "nccl"})
     orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync)
     return LaunchPlan(
         stage="rl",

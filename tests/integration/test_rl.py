@@ -82,9 +82,13 @@ def test_async_rl_runs_sft_first_and_respects_the_staleness_bound(workdir):
     assert [s for s, _ in events(run, "train/policy_loss")] == [1, 2, 3]
     staleness = [v for _, v in events(run, "async/staleness_max", "trainer")]
     assert staleness and max(staleness) <= 1
-    # The health check of the pipeline: the engine sampled from the weights the trainer holds.
-    diffs = [v for _, v in events(run, "train/logprob_diff")]
-    assert diffs and max(diffs) < 0.05, diffs
+    # The health check of the pipeline: on a batch sampled from the weights the trainer holds
+    # (staleness 0; step 1's always is) engine and trainer logprobs agree. A stale batch differs by
+    # the policy's own change over the versions in between (what the off-policy correction is for),
+    # and which steps are stale depends on how the processes' start-ups and steps interleave.
+    on_policy = {step for step, value in events(run, "async/staleness_max", "trainer") if value == 0}
+    diffs = {step: v for step, v in events(run, "train/logprob_diff") if step in on_policy}
+    assert 1 in diffs and max(diffs.values()) < 0.05, diffs
     assert (run / "final/config.json").exists()
     assert "rl done: held-out accuracy" in proc.stdout
 

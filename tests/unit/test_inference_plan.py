@@ -50,6 +50,8 @@ def test_cpu_engines_one_core_each_and_lean_flags():
     for s in specs:
         assert "--enforce-eager" in s.argv and "--enable-scale-out" in s.argv
         assert flag(s.argv, "--kv-cache-memory-bytes") == str(64 * 2**20)
+        # the model runs in the EngineCore process: no third process importing torch and vLLM
+        assert flag(s.argv, "--distributed-executor-backend") == "uni" and s.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         assert flag(s.argv, "--logprobs-mode") == "processed_logprobs"
         assert flag(s.argv, "--served-model-name") == ENGINE_MODEL_NAME
         assert flag(s.argv, "--dtype") == "bfloat16"
@@ -78,6 +80,7 @@ def test_gpu_engines_tensor_parallel_placement():
         assert "--weight-transfer-config" not in s.argv  # only for the NCCL weight sync, below
         assert "--enforce-eager" not in s.argv and "--kv-cache-memory-bytes" not in s.argv
         assert "VLLM_CPU_OMP_THREADS_BIND" not in s.env and "SKYRL_ENGINE_IDLE_SPIN_S" not in s.env
+        assert "--distributed-executor-backend" not in s.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env
 
 
 def test_gpu_engines_get_the_weight_transfer_engine_only_for_the_nccl_sync():

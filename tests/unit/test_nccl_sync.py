@@ -98,6 +98,8 @@ def test_the_gpu_plan_records_nccl_and_wires_both_sides(monkeypatch, tmp_path):
     assert host == "127.0.0.1" and int(port) not in used  # its own free port
     # The group's members sit on disjoint GPUs: NCCL refuses two ranks on one device.
     assert set(trainer.devices).isdisjoint({d for e in engines for d in e.devices})
+    # It opens its NCCL group with the engines at start-up, so it starts once they are ready.
+    assert not trainer.start_with_engines
 
 
 def test_the_cpu_plan_records_disk_and_passes_no_nccl_flags(tmp_path):
@@ -105,7 +107,11 @@ def test_the_cpu_plan_records_disk_and_passes_no_nccl_flags(tmp_path):
     assert plan.weight_sync == "disk"
     assert all("--weight-transfer-config" not in p.argv and "--nccl-address" not in p.argv for p in plan.processes)
     assert _flag(_proc(plan, "orchestrator").argv, "--weight-sync") == "disk"
-    assert plan_rl(recipe(lora=True), tmp_path, resume=False, async_mode=False, machine=CPU2).weight_sync == "lora"
+    lora = plan_rl(recipe(lora=True), tmp_path, resume=False, async_mode=False, machine=CPU2)
+    assert lora.weight_sync == "lora"
+    # On the file paths the learner needs no engine until it gets a batch: it starts beside them.
+    assert _proc(plan, "trainer").start_with_engines and _proc(lora, "trainer").start_with_engines
+    assert not _proc(plan, "orchestrator").start_with_engines
 
 
 # ------------------------------------------------------------------------------ fake engines

@@ -86,6 +86,24 @@ def test_not_ready_before_exit_reports_log_tail(tmp_path):
             sup.wait_ready(["svc"])
 
 
+def test_a_job_started_beside_services_that_fails_ends_their_readiness_wait(tmp_path):
+    with Supervisor(tmp_path) as sup:
+        sup.start(_service("svc", "-c", "import time; time.sleep(30)", url="http://127.0.0.1:9/health"))
+        sup.start(ProcessSpec(name="job", role="trainer", kind="job", argv=(sys.executable, "-c", "print('no model'); raise SystemExit(4)")))
+        started = time.monotonic()
+        with pytest.raises(LaunchError, match="(?s)job.*no model"):
+            sup.wait_ready(["svc"], timeout_s=20, watch_jobs=["job"])
+        assert time.monotonic() - started < 10  # not the readiness timeout
+
+
+def test_a_watched_job_that_finishes_cleanly_does_not_end_the_wait(tmp_path):
+    with Supervisor(tmp_path) as sup:
+        sup.start(_service("svc", "-c", "import time; time.sleep(30)"))  # no URL: ready at once
+        sup.start(ProcessSpec(name="job", role="trainer", kind="job", argv=(sys.executable, "-c", "pass")))
+        sup.wait_job("job", tick_s=0.05)
+        sup.wait_ready(["svc"], watch_jobs=["job"])
+
+
 def test_driver_killed_with_sigkill_takes_its_processes_along(tmp_path):
     pid_file = tmp_path / "child.pid"
     driver = textwrap.dedent(

@@ -75,6 +75,22 @@ def test_batched_pass_equals_separate_passes_and_gradients_stay_per_adapter(mode
         torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
 
 
+def test_rows_of_adapters_interleaved_by_length_each_get_their_own_adapter(model_dir):
+    # lengths 9 (a), 6 (b), 4 (a): sorted longest first the adapters interleave; b trains no MLP
+    engine = LoraEngine(model_dir, max_rank=8, max_adapters=4)
+    engine.create_adapter("a", 4, engine.modules_for(True, True, True), 1)
+    engine.create_adapter("b", 4, engine.modules_for(True, False, False), 2)
+    for name in ("a", "b"):
+        for _, b in engine.adapter(name).weights.values():
+            torch.nn.init.normal_(b, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    a_data, b_data = [ce(SEQ), ce(SEQ[:5])], [ce(SEQ[2:9])]
+    alone = [engine.run([WorkItem(m, d, "cross_entropy", {})], False)[0] for m, d in (("a", a_data), ("b", b_data))]
+    both = engine.run([WorkItem("a", a_data, "cross_entropy", {}), WorkItem("b", b_data, "cross_entropy", {})], False)
+    for together, single in zip(both, alone):
+        for x, y in zip(together.logprobs, single.logprobs):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
 def test_micro_batches_sum_like_one_pass(model_dir):
     engine = LoraEngine(model_dir, max_rank=8, max_adapters=2, max_batch_tokens=12)
     engine.create_adapter("a", 4, engine.modules_for(True, False, False), 0)
