@@ -93,6 +93,7 @@ def plan_tinker(recipe: Recipe, run_dir: Path, machine: MachineFacts, engines: b
                               cpu_bf16=machine.cpu_bf16)  # fmt: skip
         ports = machine.free_ports(inf.engines + 2)
         engine_ports, (router_port, prometheus_port) = ports[: inf.engines], ports[inf.engines :]
+        router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
         specs = [with_max_loras(s, recipe.tinker.max_live_adapters)
                  for s in engine_specs(erecipe, inf_machine, engine_ports, str(Path(recipe.model.path).resolve()))]  # fmt: skip
         urls = all_engine_urls(erecipe, inf_machine, engine_ports)

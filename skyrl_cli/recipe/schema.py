@@ -429,7 +429,7 @@ class TinkerConfig(Section):
     )
     storage_dir: str | None = Field(
         None,
-        description="Database and checkpoints (a relative path: from the directory skyrl runs in). "
+        description="Database and checkpoints (a relative path: from the recipe file's directory). "
         "Unset: <run dir>/storage (runs/<name>/tinker/storage).",
     )
     max_request_bytes: Annotated[int, Field(ge=1024, le=2**31)] = Field(

@@ -58,6 +58,10 @@ PATH_KEYS: dict[tuple[str, ...], frozenset[str]] = {
 }
 
 
+# Keys naming a directory skyrl writes: resolved like PATH_KEYS, but they need not exist yet.
+OUTPUT_PATH_KEYS: tuple[tuple[str, ...], ...] = (("tinker", "storage_dir"),)
+
+
 def _get(data: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         if not isinstance(data, dict):
@@ -101,7 +105,7 @@ def missing_files(data: dict[str, Any], base_dir: Path) -> list[Problem]:
 def with_absolute_paths(recipe: Recipe, base_dir: Path) -> Recipe:
     """The recipe with every path-valued key resolved against ``base_dir``."""
     data = recipe.model_dump(mode="json", by_alias=True, exclude_unset=False)
-    for path, keywords in PATH_KEYS.items():
+    for path, keywords in [*PATH_KEYS.items(), *((key, frozenset()) for key in OUTPUT_PATH_KEYS)]:
         value = _get(data, path)
         if isinstance(value, str) and value not in keywords:
             _get(data, path[:-1])[path[-1]] = str(resolve_path(value, base_dir))

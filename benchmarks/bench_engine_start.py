@@ -1,0 +1,102 @@
+"""One CPU vLLM engine's start-up: the model in the EngineCore process (uni executor, what the CPU
+launch plan does) vs vLLM's CPU default (a separate worker process, multiprocess executor).
+
+Subject and baseline alternate in the same run (A B A B ...). Per start: seconds from the process
+start to ``/health`` answering 200, the processes the engine runs as, and the time of a fixed
+generation (256 prompts x 8 tokens, temperature 1, after one warm-up request) so that the faster
+start is not paid for with slower serving. Prints the medians and the ratios last.
+
+    python benchmarks/bench_engine_start.py [--reps 3] [--model DIR]   # default: a quickstart-size tiny Llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from skyrl_cli.launch.supervisor import Supervisor  # noqa: E402
+from skyrl_cli.plan.inference import Machine, engine_specs, engine_url  # noqa: E402
+from skyrl_cli.ports import find_free_ports  # noqa: E402
+from skyrl_cli.recipe.lengths import with_model_lengths  # noqa: E402
+from skyrl_cli.recipe.schema import Recipe  # noqa: E402
+
+MODES = ("uni", "mp")
+
+
+def quickstart_size_model(out: Path) -> Path:
+    from bench_tinker import build_model  # benchmarks/ is on sys.path when this file runs
+
+    return build_model(out, hidden=128, layers=4)  # the quickstart's model.init (1M parameters)
+
+
+def engine_spec(model: Path, mode: str):
+    recipe = with_model_lengths(Recipe.model_validate({"name": "b", "model": {"path": str(model)}, "tinker": {}}))
+    machine = Machine("cpu", engine_cores=(0,))
+    (port,) = find_free_ports(1)
+    (spec,) = engine_specs(recipe, machine, [port], str(model))
+    if mode == "mp":  # vLLM's CPU default: what the plan's two settings replace
+        argv = list(spec.argv)
+        i = argv.index("--distributed-executor-backend")
+        del argv[i : i + 2]
+        env = {k: v for k, v in spec.env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        spec = spec.model_copy(update={"argv": tuple(argv), "env": env})
+    return spec, engine_url(machine, port)
+
+
+def process_count(pid: int) -> int:
+    """The engine's process tree (its API server and every descendant)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return 1 + sum(process_count(int(c)) for c in children)
+
+
+def one_start(model: Path, mode: str, work: Path) -> dict:
+    spec, url = engine_spec(model, mode)
+    prompts = [[7 + (i + k) % 30 for k in range(12)] for i in range(256)]
+    body = {"model": "policy", "prompt": prompts, "max_tokens": 8, "temperature": 1.0}
+    started = time.monotonic()
+    with Supervisor(work / f"{mode}-{time.time_ns()}") as sup:
+        proc = sup.start(spec)
+        sup.wait_ready([spec.name], timeout_s=600)
+        ready_s = time.monotonic() - started
+        processes = process_count(proc.popen.pid)
+        httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompts[:4]}, timeout=300).raise_for_status()
+        t0 = time.monotonic()
+        httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
+        generate_s = time.monotonic() - t0
+    return {"ready_s": ready_s, "generate_s": generate_s, "processes": processes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--model", type=Path, default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-engine-start-"))
+    model = args.model or quickstart_size_model(work / "model")
+    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    for rep in range(args.reps):
+        for mode in MODES:
+            r = one_start(model, mode, work)
+            results[mode].append(r)
+            print(f"rep {rep} {mode}: ready {r['ready_s']:.1f} s, {r['processes']} processes, "
+                  f"256 x 8 tokens in {r['generate_s']:.3f} s", flush=True)  # fmt: skip
+    med = {m: {k: statistics.median(r[k] for r in results[m]) for k in ("ready_s", "generate_s")} for m in MODES}
+    for mode in MODES:
+        ready = [r["ready_s"] for r in results[mode]]
+        print(f"{mode}: ready median {med[mode]['ready_s']:.1f} s ({min(ready):.1f}-{max(ready):.1f}), "
+              f"generation median {med[mode]['generate_s']:.3f} s")  # fmt: skip
+    print(f"uni / mp: start-up {med['uni']['ready_s'] / med['mp']['ready_s']:.2f}x, "
+          f"generation time {med['uni']['generate_s'] / med['mp']['generate_s']:.2f}x (below 1: uni faster)")
+
+
+if __name__ == "__main__":
+    main()
