@@ -134,13 +134,10 @@ def engine_argv(
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
     if machine.device == "cpu":
-        # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here. The
-        # model runs in the EngineCore process (uni executor, with VLLM_ENABLE_V1_MULTIPROCESSING=0
-        # from engine_env): vLLM on CPU otherwise spawns a third process that imports torch and
-        # vLLM once more. Measured on 2 cores: ready in 23-25 s instead of 29-33 s, the same
-        # generation speed (benchmarks/RESULTS.md, "Start-up").
-        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes),
-                 "--distributed-executor-backend", "uni"]  # fmt: skip
+        # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here.
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
+        if model_in_engine_core(machine, async_mode):
+            argv += ["--distributed-executor-backend", "uni"]
     else:
         argv += [
             "--tensor-parallel-size", str(inf.tensor_parallel),
@@ -154,6 +151,19 @@ def engine_argv(
         rank = vllm_lora_rank(recipe.model.lora.rank)
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(max_loras(recipe, async_mode))]
     return tuple(argv)
+
+
+def model_in_engine_core(machine: Machine, async_mode: bool) -> bool:
+    """Whether a CPU engine runs the model inside its EngineCore process (vLLM's uni executor, with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of vLLM's CPU default, a separate worker process.
+
+    One process fewer importing torch and vLLM: ready in 21.4 s instead of 28.2 s on 2 cores, the
+    same generation speed alone (``benchmarks/bench_engine_start.py``), and the same sync RL step.
+    Not with ``--async``: there the engine generates while the learner trains, and the quickstart's
+    step took 1.98-2.03 s with the model in the EngineCore against 1.47 s with a worker process
+    (scheduling and model execution no longer overlap), more than the start-up saves over a run
+    (benchmarks/RESULTS.md, "On a quiet machine")."""
+    return machine.device == "cpu" and not async_mode
 
 
 def max_loras(recipe: Recipe, async_mode: bool) -> int:
@@ -174,7 +184,7 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
-def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, str], tuple[str, ...]]:
+def engine_env(recipe: Recipe, machine: Machine, index: int, async_mode: bool = False) -> tuple[dict[str, str], tuple[str, ...]]:
     """Environment and owned devices of engine ``index``."""
     env = {
         "VLLM_SERVER_DEV_MODE": "1",
@@ -190,10 +200,11 @@ def engine_env(recipe: Recipe, machine: Machine, index: int) -> tuple[dict[str, 
         # with eager execution). SKYRL_ENGINE_IDLE_SPIN_S: see backends/inference/serve.py (an idle
         # engine otherwise spins a core the trainer needs).
         env.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"})
-        # vLLM's CPU platform forces the multiprocess executor unless this is 0; the API server
-        # still runs the EngineCore in a process of its own (AsyncLLM always does), so the OMP
-        # binding and LD_PRELOAD set before that spawn still apply to the process running the model.
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if model_in_engine_core(machine, async_mode):
+            # vLLM's CPU platform forces the multiprocess executor unless this is 0; the API server
+            # still runs the EngineCore in a process of its own (AsyncLLM always does), so the OMP
+            # binding and LD_PRELOAD set before that spawn still apply to the process running the model.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env, (f"cpu:{core}",)
     tp = recipe.inference.tensor_parallel
     gpus = machine.engine_gpus[index * tp : (index + 1) * tp]
@@ -217,7 +228,7 @@ def engine_specs(
         raise ValueError(f"{inf.engines} engines need {inf.engines} ports, got {len(ports)}")
     specs = []
     for index, port in enumerate(ports):
-        env, devices = engine_env(recipe, machine, index)
+        env, devices = engine_env(recipe, machine, index, async_mode)
         specs.append(
             ProcessSpec(
                 name=engine_name(index),

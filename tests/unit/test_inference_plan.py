@@ -63,6 +63,9 @@ def test_cpu_engines_one_core_each_and_lean_flags():
         assert "CUDA_VISIBLE_DEVICES" not in s.env
     # Distinct sampling seeds, so engines do not draw the same random numbers.
     assert (flag(a.argv, "--seed"), flag(b.argv, "--seed")) == ("5", "6")
+    # --async: generation overlaps training, and vLLM's worker process keeps the step faster
+    for s in engine_specs(recipe(), CPU, [8101, 8102], "/models/m", async_mode=True):
+        assert "--distributed-executor-backend" not in s.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env
 
 
 def test_more_engines_than_cores_share_round_robin():
