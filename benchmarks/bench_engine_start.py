@@ -1,5 +1,6 @@
 """One CPU vLLM engine's start-up: the model in the EngineCore process (uni executor, what the CPU
-launch plan does) vs vLLM's CPU default (a separate worker process, multiprocess executor).
+launch plan does for sync RL) vs vLLM's CPU default (a separate worker process, multiprocess
+executor, which ``--async`` keeps).
 
 Subject and baseline alternate in the same run (A B A B ...). Per start: seconds from the process
 start to ``/health`` answering 200, the processes the engine runs as, and the time of a fixed

@@ -15,8 +15,9 @@ Why not the ``vllm`` console script:
   it sleeps on a socket. Between RL steps that kept one of a 2-core machine's cores at 100 % while
   the trainer and the rollout client needed it. ``SKYRL_ENGINE_IDLE_SPIN_S`` (set by the CPU launch
   plan) shortens that window (``_limit_idle_spin``); GPU engines keep vLLM's default. CPU engines
-  now run the model inside the EngineCore (uni executor, ``skyrl_cli.plan.inference``), where no such
-  reader exists; the limit stays for any engine started with the multiprocess executor.
+  of sync RL runs the model inside the EngineCore (uni executor,
+  ``skyrl_cli.plan.inference.model_in_engine_core``), where no such reader exists; ``--async`` and
+  every other multiprocess-executor engine still need the limit.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Every targeted ``nn.Linear`` of the base model is wrapped in a ``MultiLoraLinear
 batch whose rows belong to different adapters runs the base model's matmuls **once** over all rows;
 each wrapped layer then adds, for every adapter present, ``scale * (x[rows] @ A.T) @ B.T`` to that
 adapter's rows only. Inside a micro-batch each adapter's rows are contiguous, so ``rows`` is a
-slice (a view: no gather and scatter of activations, which at 16 x 64 tokens per adapter had made
-the batched pass 0.79x the speed of separate passes on CPU). So N tenants' forward/backward costs
-one base pass plus N small low-rank products, and each adapter's gradient comes from its own rows.
+slice (a view, no gather and scatter of activations). So N tenants' forward/backward costs one base
+pass plus N small low-rank products, and each adapter's gradient comes from its own rows. On a CPU
+core the base matmuls cost in proportion to their rows, so the sharing pays on GPUs
+(benchmarks/RESULTS.md, "Tinker server").
 
 Each adapter owns its parameters (``A [r, in]``, ``B [out, r]`` per wrapped layer) and its own
 ``torch.optim.AdamW``; an optimizer step, weight decay or gradient clipping of one adapter never

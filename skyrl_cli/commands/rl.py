@@ -157,7 +157,7 @@ def run_jobs(supervisor, plan, stack, run, progress) -> None:
 
     jobs = [p.name for p in plan.processes if p.kind == "job"]
     for spec in plan.processes:
-        if spec.kind == "job" and spec.name not in supervisor.processes:  # not started beside the engines
+        if spec.kind == "job" and not spec.start_with_engines:  # those started with the engines
             supervisor.start(spec)
     # Engines and the router that die come back (stack.recovery); without it the router may not die.
     fatal = [] if stack.recovery is not None else [p.name for p in plan.processes if p.role == "router"]

@@ -59,7 +59,7 @@ PATH_KEYS: dict[tuple[str, ...], frozenset[str]] = {
 
 
 # Keys naming a directory skyrl writes: resolved like PATH_KEYS, but they need not exist yet.
-OUTPUT_PATH_KEYS: tuple[tuple[str, ...], ...] = (("tinker", "storage_dir"),)
+OUTPUT_PATH_KEYS: dict[tuple[str, ...], frozenset[str]] = {("tinker", "storage_dir"): frozenset()}
 
 
 def _get(data: Any, path: tuple[str, ...]) -> Any:
@@ -105,7 +105,7 @@ def missing_files(data: dict[str, Any], base_dir: Path) -> list[Problem]:
 def with_absolute_paths(recipe: Recipe, base_dir: Path) -> Recipe:
     """The recipe with every path-valued key resolved against ``base_dir``."""
     data = recipe.model_dump(mode="json", by_alias=True, exclude_unset=False)
-    for path, keywords in [*PATH_KEYS.items(), *((key, frozenset()) for key in OUTPUT_PATH_KEYS)]:
+    for path, keywords in {**PATH_KEYS, **OUTPUT_PATH_KEYS}.items():
         value = _get(data, path)
         if isinstance(value, str) and value not in keywords:
             _get(data, path[:-1])[path[-1]] = str(resolve_path(value, base_dir))
