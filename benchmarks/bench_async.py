@@ -48,12 +48,12 @@ def parse_args(argv=None):
 def build_model(out: Path) -> Path:
     from backends.data.tasks import get_task
     from backends.models.loading import save_hf
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(get_task("addition").alphabet)
-    model = build_tiny_llama(TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512), tokenizer, seed=0)
+    model = build_tiny_model(TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512), tokenizer, seed=0)
     return save_hf(model, tokenizer, out)
 
 

@@ -35,13 +35,13 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 def build_model(out: Path, hidden: int, layers: int):
     from backends.models.loading import save_hf
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=")
     heads = max(1, hidden // 32)  # head size 32: one vLLM serves
-    model = build_tiny_llama(TinyModelInit(hidden_size=hidden, layers=layers, heads=heads, intermediate_size=4 * hidden), tokenizer, 0)
+    model = build_tiny_model(TinyModelInit(hidden_size=hidden, layers=layers, heads=heads, intermediate_size=4 * hidden), tokenizer, 0)
     save_hf(model, tokenizer, out)
     return model, tokenizer
 

@@ -72,7 +72,7 @@ def worker(args) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from backends.train.engine import init_distributed, make_engine, train_step
     from backends.train.microbatch import rank_micro_batches
@@ -83,7 +83,7 @@ def worker(args) -> None:
     d = init_distributed("cpu")
     tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz")
     init = TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512, max_position_embeddings=512)
-    model = build_tiny_llama(init, tokenizer, seed=0)
+    model = build_tiny_model(init, tokenizer, seed=0)
     engine, _ = make_engine(model, lr=1e-4, weight_decay=0.0, lr_lambda=lambda s: 1.0, zero_stage=2, grad_clip=1.0, bf16=False)
     pad = tokenizer.pad_token_id
 

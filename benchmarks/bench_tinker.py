@@ -40,12 +40,12 @@ def free_port() -> int:
 
 def build_model(out: Path, hidden: int, layers: int) -> Path:
     from backends.models.loading import save_hf
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import TinyModelInit
 
     tok = build_char_tokenizer(string.digits + string.ascii_lowercase + " +-*=?.,")
-    model = build_tiny_llama(TinyModelInit(hidden_size=hidden, layers=layers, heads=4, max_position_embeddings=512), tok, 0)
+    model = build_tiny_model(TinyModelInit(hidden_size=hidden, layers=layers, heads=4, max_position_embeddings=512), tok, 0)
     return save_hf(model, tok, out)
 
 

@@ -9,6 +9,8 @@ Stages:
                  the disk publish of each version (the disk weight sync's trainer half)
   int4-qat       INT4 fake-quant (torchao) SFT steps on the tiny model
   tinker-lora    the Tinker server's batched multi-LoRA forward/backward, 4 adapters in one pass
+  tied-sync      tied Llama / Qwen2 / Qwen3: the learner's published version and the engines' starting
+                 copy (head written out, served untied) give the tied model's logprobs exactly
   vllm           an engine behind vllm-router (where vLLM is installed): rollout tokens/s, the
                  disk weight sync per step, NCCL (needs a second GPU: NCCL refuses two ranks on one
                  device), and the engine-vs-trainer logprob gap
@@ -92,12 +94,12 @@ def peak_memory() -> str:
 def tiny_model_dir(out: Path) -> Path:
     """A tiny random-init Llama with a character tokenizer, saved as an HF model directory."""
     from backends.models.loading import save_hf
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
-    model = build_tiny_llama(TinyModelInit(hidden_size=256, layers=4, heads=4, max_position_embeddings=1024), tokenizer, 0)
+    model = build_tiny_model(TinyModelInit(hidden_size=256, layers=4, heads=4, max_position_embeddings=1024), tokenizer, 0)
     return save_hf(model, tokenizer, out)
 
 
@@ -340,6 +342,49 @@ def stage_tinker_lora(ctx) -> dict[str, str]:
     }
 
 
+# ------------------------------------------------------------------------------ tied heads
+
+
+def stage_tied_sync(ctx) -> dict[str, str]:
+    """Tied Llama / Qwen2 / Qwen3 models on this device: the version the learner publishes for the
+    engines (``save_for_engines``, head written out) and the engines' starting copy
+    (``write_untied_copy``) load untied in transformers and give the tied model's logprobs exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from backends.inference.sync_check import fixed_sequence, moved_policy, transformers_logprobs
+    from backends.models.loading import save_hf
+    from backends.models.tied import save_for_engines, tied_head, write_untied_copy
+    from backends.models.tiny import build_tiny_model
+    from backends.models.tokenizer import build_char_tokenizer
+    from skyrl_cli.recipe.schema import TinyModelInit
+
+    dev = device()
+    dtype = torch.bfloat16 if cuda() else torch.float32
+    tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
+    figures = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        init = TinyModelInit(arch=arch, hidden_size=256, layers=2, heads=4, tie_embeddings=True)
+        initial = save_hf(build_tiny_model(init, tokenizer, 0), tokenizer, ctx.tmp / f"tied-{arch}" / "initial")
+        write_untied_copy(initial, ctx.tmp / f"tied-{arch}" / "engine-model")
+        moved = moved_policy(AutoModelForCausalLM.from_pretrained(str(initial), dtype=dtype)).to(dev).eval()
+        save_for_engines(moved, tokenizer, ctx.tmp / f"tied-{arch}" / "v1")
+        ids = fixed_sequence(moved.config.vocab_size)
+        gaps = []
+        for reference, exported in ((moved, "v1"), (None, "engine-model")):
+            if reference is None:
+                reference = AutoModelForCausalLM.from_pretrained(str(initial), dtype=dtype).to(dev).eval()
+            loaded = AutoModelForCausalLM.from_pretrained(str(ctx.tmp / f"tied-{arch}" / exported), dtype=dtype).to(dev).eval()
+            if tied_head(loaded) is not None:
+                raise AssertionError(f"{arch}: {exported} loads tied")
+            pairs = zip(transformers_logprobs(reference, ids), transformers_logprobs(loaded, ids))
+            gaps.append(max(abs(a - b) for a, b in pairs))
+        if max(gaps) > 0:
+            raise AssertionError(f"{arch}: exported weights give other logprobs ({gaps})")
+        figures[arch] = f"version and engine copy equal the tied model ({str(dtype).split('.')[-1]}, {dev}): gap {max(gaps):.1e}"
+    return figures
+
+
 # ------------------------------------------------------------------------------ vLLM
 
 
@@ -360,6 +405,7 @@ STAGES: dict[str, Callable] = {
     "rl-learner": stage_rl_learner,
     "int4-qat": stage_int4_qat,
     "tinker-lora": stage_tinker_lora,
+    "tied-sync": stage_tied_sync,
     "vllm": stage_vllm,
 }
 

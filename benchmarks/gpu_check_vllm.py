@@ -5,7 +5,8 @@ Figures: rollout tokens/s through the router (64 sessions x 64 tokens, temperatu
 weight sync per step (the trainer's safetensors export, then pause / reload / label / resume);
 the NCCL weight sync per step where a second GPU holds the engine (NCCL refuses two ranks of one
 group on one device, so a one-GPU machine skips it and says so); the engine-vs-trainer logprob gap
-(mean |engine logprob - transformers logprob| over the sampled tokens, same weights).
+(mean |engine logprob - transformers logprob| over the sampled tokens, same weights); the same gap
+after one weight sync of a tied model, served untied as the RL stage serves it.
 """
 
 from __future__ import annotations
@@ -136,4 +137,25 @@ def run_vllm_stage(ctx) -> dict[str, str]:
         else:
             why = "one GPU: NCCL refuses two ranks of one group on one device" if gpus else "no CUDA"
             figures["weight sync (NCCL)"] = f"skipped ({why})"
+    figures["tied round trip"] = tied_round_trip(ctx, engine_gpu)
     return figures
+
+
+def tied_round_trip(ctx, engine_gpu: int | None) -> str:
+    """A tied model served as the RL stage serves it (``engine-model/``, untied), one disk sync of a
+    moved copy, the engine's prompt logprobs against transformers' (``backends.inference.sync_check``)."""
+    from backends.inference.sync_check import round_trip
+    from backends.models.loading import save_hf
+    from backends.models.tied import write_untied_copy
+    from backends.models.tiny import build_tiny_model
+    from backends.models.tokenizer import build_char_tokenizer
+    from skyrl_cli.recipe.schema import TinyModelInit
+
+    tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
+    init = TinyModelInit(hidden_size=256, layers=2, heads=4, tie_embeddings=True)
+    model_dir = save_hf(build_tiny_model(init, tokenizer, 0), tokenizer, ctx.tmp / "tied" / "model")
+    served = ctx.tmp / "tied" / "engine-model"
+    write_untied_copy(model_dir, served)
+    with serving(served, ctx.tmp / "tied-run", engine_gpu, "disk") as (url, _router):
+        result = round_trip(url, model_dir, ctx.tmp / "tied")
+    return f"max {result['max_abs_diff']:.1e}, mean {result['mean_abs_diff']:.1e} |engine - transformers| after one sync (Llama, tied)"

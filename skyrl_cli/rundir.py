@@ -12,6 +12,8 @@ Layout (the machine-readable contract of a run, documented in README.md)::
     final/                        the stage's model, built at .tmp-final and published whole
     int4/                         INT4 W4A16 export (compressed-tensors; skyrl quantize, int4_qat; RL with
                                   int4_rollouts: the initial policy, then the last version served), via .tmp-int4
+    engine-model/                 RL: what the engines start from, rebuilt at each launch: links to the
+                                  initial policy's files; a tied model untied (backends.models.tied)
     eval_initial.json             held-out accuracy of the RL stage's initial policy
     batches/step-<k>.json         RL: the k-th training batch (orchestrator -> learner)
     weights/v<k>/, weights/LATEST RL: policy versions (learner -> engines) and the newest one's number
@@ -129,6 +131,11 @@ class RunDir:
     @property
     def int4_tmp(self) -> Path:
         return self.root / ".tmp-int4"
+
+    @property
+    def engine_model(self) -> Path:
+        """RL: the initial policy as the engines serve it (``backends.models.tied.write_untied_copy``)."""
+        return self.root / "engine-model"
 
     # ------------------------------------------------------------------ the RL exchange
     @property

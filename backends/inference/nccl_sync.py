@@ -108,6 +108,32 @@ class _FanOutClient:
         self.http.close()
 
 
+def engine_weight_source(module, module_source):
+    """vLLM's ``ModuleSource`` over ``module``, plus the head of a tied model under its own name:
+    the engines serve tied models untied (``backends.models.tied``), and ``named_parameters`` names
+    a shared parameter once, as the embedding. ``module_source``: vLLM's class (imported by the caller)."""
+    from backends.models.tied import tied_head
+
+    pair = tied_head(module)
+    if pair is None:
+        return module_source(module)
+
+    class WithExplicitHead(module_source):
+        def metadata(self):
+            meta = super().metadata()
+            embedding = next(m for m in meta if m.name == pair.embedding)
+            return [*meta, type(embedding)(pair.head, embedding.dtype, embedding.shape)]
+
+        def __iter__(self):
+            for name, tensor in super().__iter__():
+                yield name, tensor
+                if name == pair.embedding:
+                    embedding = tensor
+            yield pair.head, embedding
+
+    return WithExplicitHead(module)
+
+
 class NcclWeightSync:
     """Broadcast a torch module's weights into the engines. Construct on trainer rank 0 only, with
     the module whose ``named_parameters`` carry HF names (unwrap DeepSpeed / peft first)."""
@@ -135,7 +161,7 @@ class NcclWeightSync:
             rank=0,
         )
         self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            init_info, client=self.client, source=ModuleSource(module)
+            init_info, client=self.client, source=engine_weight_source(module, ModuleSource)
         )
 
     def send(self) -> float:

@@ -43,9 +43,9 @@ def load_model(model_cfg: ModelConfig, tokenizer, seed: int, attn_implementation
     import torch
 
     if model_cfg.init is not None:
-        from backends.models.tiny import build_tiny_llama
+        from backends.models.tiny import build_tiny_model
 
-        model = build_tiny_llama(model_cfg.init, tokenizer, seed)
+        model = build_tiny_model(model_cfg.init, tokenizer, seed)
         model.config._attn_implementation = attn_implementation
         return model
     from transformers import AutoModelForCausalLM

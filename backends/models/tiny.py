@@ -1,4 +1,5 @@
-"""A tiny random-init Llama-architecture model, built from the recipe's ``model.init``."""
+"""A tiny random-init model shaped like a real family (Llama, Qwen2, Qwen3; tied or untied output
+head), built from the recipe's ``model.init``."""
 
 from __future__ import annotations
 
@@ -6,15 +7,19 @@ from skyrl_cli.recipe.schema import TinyModelInit
 
 VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of this (aligned matmuls, any engine accepts it)
 
+# transformers' config class of each ``model.init.arch``
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+
 
 def padded_vocab_size(n_tokens: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-n_tokens // multiple) * multiple
 
 
-def tiny_llama_config(init: TinyModelInit, tokenizer):
-    from transformers import LlamaConfig
+def tiny_config(init: TinyModelInit, tokenizer):
+    import transformers
 
-    return LlamaConfig(
+    config_class = getattr(transformers, CONFIG_CLASSES[init.arch])
+    shape = dict(
         vocab_size=padded_vocab_size(len(tokenizer)),
         hidden_size=init.hidden_size,
         num_hidden_layers=init.layers,
@@ -23,24 +28,29 @@ def tiny_llama_config(init: TinyModelInit, tokenizer):
         intermediate_size=init.intermediate_size or 4 * init.hidden_size,
         max_position_embeddings=init.max_position_embeddings,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=init.tie_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
+    if init.arch == "qwen3":  # Qwen3 states head_dim on its own (it need not be hidden / heads)
+        shape["head_dim"] = init.hidden_size // init.heads
+    if init.arch != "llama":  # the Qwen configs default to sliding windows and a large rope base
+        shape.update(use_sliding_window=False, max_window_layers=init.layers)
+    return config_class(**shape)
 
 
-def build_tiny_llama(init: TinyModelInit, tokenizer, seed: int):
-    """Random-init ``LlamaForCausalLM``; the same ``seed`` gives the same weights on every rank."""
+def build_tiny_model(init: TinyModelInit, tokenizer, seed: int):
+    """Random-init causal LM of ``init.arch``; the same ``seed`` gives the same weights on every rank."""
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    config = tiny_llama_config(init, tokenizer)
+    config = tiny_config(init, tokenizer)
     devices = torch.random.fork_rng(devices=[])  # do not disturb the caller's RNG stream
     with devices:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

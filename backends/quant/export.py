@@ -136,25 +136,33 @@ def export_w4a16(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Expo
     return ExportReport(layers=len(codes), weights_bytes=weights_bytes(out))
 
 
-def export_rtn(src_dir: str | Path, out_dir: str | Path, cfg: QuantizationConfig) -> ExportReport:
+def export_rtn(src_dir: str | Path, out_dir: str | Path, cfg: QuantizationConfig, for_engines: bool = False) -> ExportReport:
     """Round-to-nearest int4 of the HF model in ``src_dir`` (kept in its saved dtype) as W4A16 in
-    ``out_dir``. For a model trained under fake-quant these are the codes it trained with."""
+    ``out_dir``. For a model trained under fake-quant these are the codes it trained with.
+    ``for_engines`` (RL with INT4 rollouts): a tied head is written out, full precision like the
+    embedding, as the engines serve it (``backends.models.tied``); a user's export keeps the tie."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from backends.models.tied import add_explicit_head, tied_head
     from backends.quant.fake_quant import quantize_rtn
 
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype="auto").eval()
+    pair = tied_head(model) if for_engines else None
+    embedding = model.get_input_embeddings().weight.detach().clone() if pair else None  # the export consumes the model
     quantize_rtn(model, cfg)
     report = export_w4a16(model, AutoTokenizer.from_pretrained(src_dir), out_dir)
+    if pair is not None:
+        add_explicit_head(out_dir, pair, embedding)
+        report = ExportReport(report.layers, weights_bytes(out_dir))
     return ExportReport(report.layers, report.weights_bytes, weights_bytes(src_dir))
 
 
-def publish_int4(src_dir: str | Path, run_dir: str | Path, cfg: QuantizationConfig) -> ExportReport:
+def publish_int4(src_dir: str | Path, run_dir: str | Path, cfg: QuantizationConfig, for_engines: bool = False) -> ExportReport:
     """``export_rtn`` of ``src_dir`` into ``run_dir/int4/``, published whole (a reader never sees
     half an export)."""
     paths = RunDir(run_dir)
     shutil.rmtree(paths.int4_tmp, ignore_errors=True)
-    report = export_rtn(src_dir, paths.int4_tmp, cfg)
+    report = export_rtn(src_dir, paths.int4_tmp, cfg, for_engines)
     publish_dir(paths.int4_tmp, paths.int4)
     return report
 
@@ -167,7 +175,7 @@ def export_version(save_full_precision, out_dir: Path, cfg: QuantizationConfig) 
     full = out_dir / ".full-precision"
     save_full_precision(full)
     try:
-        return export_rtn(full, out_dir, cfg)
+        return export_rtn(full, out_dir, cfg, for_engines=True)
     finally:
         shutil.rmtree(full, ignore_errors=True)
 
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     with EventWriter(paths.events, PROCESS_NAME) as events:
         if not args.setup:
             events.log(0, {"progress/total_steps": 1})
-        report = publish_int4(args.model, args.run_dir, cfg)
+        report = publish_int4(args.model, args.run_dir, cfg, for_engines=args.setup)
         events.log(0 if args.setup else 1, {**report.metrics(), "timing/export_s": time.perf_counter() - t0})
     print(f"INT4 PTQ export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
           f"{report.size_ratio:.3f}x {args.model})", flush=True)  # fmt: skip

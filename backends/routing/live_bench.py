@@ -131,10 +131,10 @@ def build_live_model(model_dir: str | Path) -> list[int]:
     tokenizer = build_char_tokenizer(LIVE_ALPHABET)
     if not (Path(model_dir) / "config.json").exists():
         from backends.models.loading import save_hf
-        from backends.models.tiny import build_tiny_llama
+        from backends.models.tiny import build_tiny_model
         from skyrl_cli.recipe.schema import TinyModelInit
 
-        save_hf(build_tiny_llama(TinyModelInit(**LIVE_MODEL), tokenizer, seed=0), tokenizer, model_dir)
+        save_hf(build_tiny_model(TinyModelInit(**LIVE_MODEL), tokenizer, seed=0), tokenizer, model_dir)
     return [tokenizer.convert_tokens_to_ids(c) for c in LIVE_ALPHABET]
 
 

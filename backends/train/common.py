@@ -57,6 +57,15 @@ class HFExporter:
             self.tokenizer.save_pretrained(out_dir)
         save_adapter(module, out_dir / ADAPTER_DIR)
 
+    def for_engines(self, out_dir: Path) -> None:
+        """One policy version for the engines to reload: the HF model with a tied head written out
+        (``backends.models.tied``: the engines serve tied models untied). Collective under ZeRO-3."""
+        from backends.models.tied import save_for_engines
+
+        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
+        if self.dist.is_main:
+            save_for_engines(self.engine.module, self.tokenizer, out_dir, state_dict=state_dict)
+
     def adapter(self, out_dir: Path) -> None:
         """The PEFT adapter alone (adapter_config.json + adapter_model.safetensors), rank 0."""
         from backends.models.lora import save_adapter

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from backends.train.common import HFExporter, load_recipe, open_events, say
+from skyrl_cli.metrics.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
 from skyrl_cli.rundir import RunDir
 
 BATCH_TIMEOUT_S = 3600.0
@@ -158,7 +159,7 @@ def reduce_metrics(metrics: dict[str, float], device) -> dict[str, float]:
 
 
 class Learner:
-    def __init__(self, run_dir: Path, init_from: Path, resume: bool, nccl: NcclTarget | None = None):
+    def __init__(self, run_dir: Path, init_from: Path, resume: bool, nccl: NcclTarget | None = None, engine_dtype: str = "bfloat16"):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -208,6 +209,10 @@ class Learner:
         merge = self.lora is None or self.lora.merge_final
         self.export = HFExporter(self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge)
         self.start_step = self._restore() if resume else 0
+        quant = recipe.quantization
+        floor = sync_gap_floor(engine_dtype, quant is not None and quant.int4_rollouts and not quant.int4_qat)
+        self.gap_check = None if floor is None else SyncGapCheck(floor)
+        self.gap_warned = False
         self.transfer = self._open_transfer(nccl)
         self.last_send_s: float | None = None
 
@@ -373,7 +378,7 @@ class Learner:
 
     def _write_version(self, out: Path) -> None:
         """What the engines load: the adapter alone (LoRA), the W4A16 export (INT4 rollouts), or the
-        HF model."""
+        HF model; the last two with a tied head written out (``backends.models.tied``)."""
         quant = self.recipe.quantization
         if self.lora is not None:
             self.export.adapter(out)
@@ -382,7 +387,19 @@ class Learner:
 
             export_version(self.export, out, quant)
         else:
-            self.export(out)
+            self.export.for_engines(out)
+
+    def _sync_gap_check(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """``SYNC_GAP`` when an on-policy step's logprob gap exceeds what numerics allow
+        (``skyrl_cli.metrics.health``); said once in the log."""
+        flagged = self.gap_check.judge(metrics) if self.gap_check is not None else None
+        if flagged is None:
+            return {}
+        gap, threshold = flagged
+        if not self.gap_warned:
+            self.gap_warned = True
+            self.say(f"warning: {sync_gap_message(step, gap, threshold)}")
+        return {SYNC_GAP_BOUND: threshold, SYNC_GAP: gap}
 
     def checkpoint(self, step: int) -> None:
         from backends.train.checkpoint import save_checkpoint
@@ -398,7 +415,8 @@ class Learner:
         if self.dist.is_main:
             remove_leftovers(self.run_dir)
         if self.events:
-            self.events.log(self.start_step, {"progress/total_steps": rl.steps})
+            bound = {} if self.gap_check is None else {SYNC_GAP_BOUND: self.gap_check.floor}
+            self.events.log(self.start_step, {"progress/total_steps": rl.steps, **bound})
         import torch.distributed as tdist
 
         if tdist.is_initialized():
@@ -429,6 +447,7 @@ class Learner:
                     **staleness_metrics(samples, step),
                 }
             )
+            metrics.update(self._sync_gap_check(step + 1, metrics))
             if self.events:
                 self.events.log(step + 1, metrics)
             self.say(
@@ -483,11 +502,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-urls", default="", help="nccl: comma-separated engines to send to")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="nccl: GPUs per engine")
     parser.add_argument("--nccl-address", default="", help="nccl: host:port of the NCCL group's rendezvous")
+    parser.add_argument("--engine-dtype", default="bfloat16", help="the engines' dtype: the bound of the sync-gap check")
     args = parser.parse_args(argv)
     nccl = None
     if args.weight_sync == "nccl":
         nccl = NcclTarget(tuple(u for u in args.engine_urls.split(",") if u), args.tensor_parallel, args.nccl_address)
-    learner = Learner(args.run_dir.resolve(), args.init_from.resolve(), args.resume, nccl)
+    learner = Learner(args.run_dir.resolve(), args.init_from.resolve(), args.resume, nccl, args.engine_dtype)
     try:
         learner.run()
     except StopRequested as stop:

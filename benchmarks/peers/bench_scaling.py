@@ -56,13 +56,13 @@ def parse_args(argv=None):
 def build(size: str, work: Path) -> tuple[Path, int]:
     from backends.data.tasks import get_task
     from backends.models.loading import save_hf
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import TinyModelInit
 
     hidden, layers, heads, inter = SIZES[size]
     tokenizer = build_char_tokenizer(get_task("addition", 2).alphabet)
-    model = build_tiny_llama(TinyModelInit(hidden_size=hidden, layers=layers, heads=heads, intermediate_size=inter), tokenizer, seed=0)
+    model = build_tiny_model(TinyModelInit(hidden_size=hidden, layers=layers, heads=heads, intermediate_size=inter), tokenizer, seed=0)
     out = save_hf(model, tokenizer, work / f"model-{size}")
     return out, sum(p.numel() for p in model.parameters())
 

@@ -55,6 +55,8 @@ def register(app: typer.Typer) -> None:
         summary = run_rl(loaded, plan, directory, mode, resume=resume, overwrite=overwrite)
         if mode != "json":
             typer.echo(final_line(summary, directory))
+            if "health" in summary:
+                typer.echo(f"warning: {summary['health']['message']}", err=True)
 
 
 def ensure_initial_policy(recipe, mode) -> None:

@@ -1,8 +1,12 @@
 """``skyrl doctor --smoke``: start one real vLLM engine as the recipe's plan starts it, on the
-recipe's model (a tiny random-init one is built for ``model.init``), and generate a few tokens."""
+recipe's model (a tiny random-init one is built for ``model.init``), generate a few tokens, and, where
+the RL stage reloads full weights, make one weight-sync round trip: a moved copy of the model
+published as the learner publishes it, reloaded, and the engine's logprobs compared with
+transformers' (``backends.inference.sync_check``; a tied head left behind shows here)."""
 
 from __future__ import annotations
 
+import json
 import string
 import sys
 import tempfile
@@ -18,11 +22,11 @@ ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 BUILD_TINY_MODEL = """
 import sys
 from backends.models.loading import save_hf
-from backends.models.tiny import build_tiny_llama
+from backends.models.tiny import build_tiny_model
 from backends.models.tokenizer import build_char_tokenizer
 from skyrl_cli.recipe.schema import TinyModelInit
 tokenizer = build_char_tokenizer(sys.argv[2])
-save_hf(build_tiny_llama(TinyModelInit.model_validate_json(sys.argv[1]), tokenizer, 0), tokenizer, sys.argv[3])
+save_hf(build_tiny_model(TinyModelInit.model_validate_json(sys.argv[1]), tokenizer, 0), tokenizer, sys.argv[3])
 print(sys.argv[3])
 """
 
@@ -36,6 +40,38 @@ def _model_dir(recipe: Recipe, base_dir: Path, scratch: Path, timeout_s: float) 
     argv = [sys.executable, "-c", BUILD_TINY_MODEL, recipe.model.init.model_dump_json(), ALPHABET, str(out)]
     built = run_child(argv, timeout_s)
     return (out, "") if built.ok else (None, f"building the tiny model failed: {built.output}")
+
+
+def _reloads_full_weights(recipe: Recipe) -> bool:
+    """LoRA runs load adapters and INT4 rollouts load W4A16 exports: not this round trip's path."""
+    quant = recipe.quantization
+    return recipe.model.lora is None and not (quant is not None and quant.int4_rollouts)
+
+
+def _served_model(recipe: Recipe, model_dir: Path, scratch: Path, timeout_s: float) -> tuple[Path | None, str]:
+    """What the RL stage's engines start from: its setup job's ``engine-model/`` (a tied model untied)."""
+    if not _reloads_full_weights(recipe):
+        return model_dir, ""
+    out = scratch / "engine-model"
+    made = run_child([sys.executable, "-m", "backends.models.tied", "--src", str(model_dir), "--out", str(out)], timeout_s)
+    return (out, "") if made.ok else (None, f"preparing the engines' model failed: {made.output}")
+
+
+def _sync_round_trip(recipe: Recipe, dtype: str, url: str, model_dir: Path, scratch: Path, timeout_s: float) -> tuple[bool, str] | None:
+    """(within the bound, what was measured), or None where the RL stage reloads no full weights."""
+    from skyrl_cli.metrics.health import sync_gap_floor
+
+    if not _reloads_full_weights(recipe):
+        return None
+    argv = [sys.executable, "-m", "backends.inference.sync_check", "--engine-url", url, "--model", str(model_dir),
+            "--scratch", str(scratch)]  # fmt: skip
+    done = run_child(argv, timeout_s)
+    if not done.ok:
+        return False, f"the weight-sync round trip failed: {done.output}"
+    result, bound = json.loads(done.output), sync_gap_floor(dtype)
+    what = (f"a weight-sync round trip ({'tied' if result['tied'] else 'untied'} head) gave logprobs "
+            f"{result['mean_abs_diff']:.1e} from transformers' (mean; max {result['max_abs_diff']:.1e}; bound {bound:.0e}, {dtype})")  # fmt: skip
+    return result["mean_abs_diff"] <= bound, what
 
 
 def _generate(url: str) -> str:
@@ -54,7 +90,7 @@ def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, ti
 
     from skyrl_cli.errors import SkyrlError
     from skyrl_cli.launch.supervisor import Supervisor, log_tail
-    from skyrl_cli.plan.inference import engine_specs, engine_url
+    from skyrl_cli.plan.inference import engine_dtype, engine_specs, engine_url
     from skyrl_cli.plan.rl import inference_machine
     from skyrl_cli.plan.trainer import trainer_device
     from skyrl_cli.ports import find_free_ports
@@ -67,13 +103,19 @@ def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, ti
         model_dir, why = _model_dir(one_engine, base_dir, Path(scratch), timeout_s)
         if model_dir is None:
             return failed("engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set")
+        served, why = _served_model(one_engine, model_dir, Path(scratch), timeout_s)
+        if served is None:
+            return failed("engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set")
         (port,) = find_free_ports(1)
-        (spec,) = engine_specs(one_engine, engines_on, [port], str(model_dir))
+        (spec,) = engine_specs(one_engine, engines_on, [port], str(served))
+        url = engine_url(engines_on, port)
         try:
             with Supervisor(scratch) as supervisor:
                 supervisor.start(spec)
                 supervisor.wait_ready([spec.name], timeout_s=max(timeout_s - (time.monotonic() - started), 1.0))
-                text = _generate(engine_url(engines_on, port))
+                text = _generate(url)
+                remaining = max(timeout_s - (time.monotonic() - started), 30.0)
+                sync = _sync_round_trip(one_engine, engine_dtype(one_engine, engines_on), url, model_dir, Path(scratch), remaining)
         except (SkyrlError, OSError, ValueError, KeyError, httpx.HTTPError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0].split("; see ")[0]
             last = log_tail(RunDir(scratch).log(spec.name), 1).strip()[-300:] or "(empty)"  # the scratch folder goes next
@@ -81,4 +123,8 @@ def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, ti
                    f"to see the whole log: {' '.join(spec.argv[:4])} ...")  # fmt: skip
             return failed("engine smoke test", f"{first}; its log ends: {last}", fix)
     elapsed = time.monotonic() - started
-    return passed("engine smoke test", f"a vLLM engine on {engines_on.device} started and generated {text} in {elapsed:.0f} s")
+    if sync is not None and not sync[0]:
+        return failed("engine smoke test", f"{sync[1]}: the engine does not serve the weights it was given",
+                      "report it with this line and the versions from skyrl doctor; RL on this model would not learn")  # fmt: skip
+    said = f"; {sync[1]}" if sync is not None else ""
+    return passed("engine smoke test", f"a vLLM engine on {engines_on.device} started and generated {text} in {elapsed:.0f} s{said}")

@@ -251,7 +251,7 @@ class Supervisor:
         """Block until every named process answers its readiness URL with HTTP 200. A job in
         ``watch_jobs`` (started beside them) that exits non-zero meanwhile raises ``LaunchError``."""
         with self._lock:
-            pending = [self.processes[n] for n in (names or list(self.processes))]
+            pending = [self.processes[n] for n in (list(self.processes) if names is None else names)]
             watched = [self.processes[n] for n in watch_jobs]
         deadline = time.monotonic() + (timeout_s or max((p.spec.ready.timeout_s for p in pending), default=0))
         with httpx.Client(timeout=2.0) as client:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from skyrl_cli.metrics.events import MetricEvent
+from skyrl_cli.metrics.health import SYNC_GAP, SYNC_GAP_BOUND, sync_gap_message
 from skyrl_cli.metrics.sinks import Sink
 
 # (label, metric name, format)
@@ -38,10 +39,13 @@ class MetricBoard:
         self.step = 0
         self.total: int | None = None
         self._explicit_step = False
+        self.notice: str | None = None  # one health line (skyrl_cli.metrics.health), from its first event
 
     def update(self, events: Sequence[MetricEvent]) -> None:
         for e in events:
             self.latest.setdefault(e.name, {})[e.process] = e.value
+            if e.name == SYNC_GAP and self.notice is None:
+                self.notice = sync_gap_message(e.step, e.value, self.value(SYNC_GAP_BOUND) or float("nan"))
             if e.name == "progress/total_steps":
                 self.total = int(e.value)
             elif e.name == "progress/step":
@@ -104,7 +108,11 @@ class LiveView(Sink):
         grid.add_column(justify="right")
         for label, text in self.board.rows():
             grid.add_row(label, text)
-        return Group(self._progress, grid)
+        if self.board.notice is None:
+            return Group(self._progress, grid)
+        from rich.text import Text
+
+        return Group(self._progress, grid, Text(f"warning: {self.board.notice}", style="bold red"))
 
     def handle(self, events: Sequence[MetricEvent]) -> None:
         self.board.update(events)

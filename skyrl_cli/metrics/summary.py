@@ -3,6 +3,7 @@
     {"steps": 1200, "elapsed_s": 131.2, "time": 1767000000.0,
      "metrics": {"eval/accuracy": 0.86, "train/loss": 0.02, ...},          # last value of each
      "throughput": {"train/tokens_per_s": {"mean": 50123.0, "last": 51010.0}, ...},   # every */..._per_s
+     "health": {"sync_gap_steps_over_bound": 3, ..., "message": "..."},   # only when a check fired
      ...extra}                                                              # given by the command
 """
 
@@ -14,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from skyrl_cli.atomic import write_json
 from skyrl_cli.metrics.events import MetricEvent, iter_events, last_values
+from skyrl_cli.metrics.health import sync_gap_health
 from skyrl_cli.rundir import RunDir
 
 
@@ -26,13 +28,17 @@ def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:
     # Training metrics are logged every few steps; an evaluation also marks a step that was trained
     # (an SFT run stopped by sft.stop_at_accuracy at step 475 logged train/ last at 470).
     train_steps = [e.step for e in events if e.name.startswith(("train/", "eval/"))]
-    return {
+    summary = {
         "steps": max(train_steps or [e.step for e in events] or [0]),
         "elapsed_s": round(events[-1].time - events[0].time, 3) if events else 0.0,
         "time": time.time(),
         "metrics": last_values(events),
         "throughput": {name: {"mean": sum(v) / len(v), "last": v[-1]} for name, v in sorted(per_second.items())},
     }
+    health = sync_gap_health(events)
+    if health is not None:
+        summary["health"] = health
+    return summary
 
 
 def write_summary(run_dir: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ class ReadinessCheck(Frozen):
 
 class ProcessSpec(Frozen):
     name: str = Field(description="Unique name; the log is logs/<name>.log.")
-    role: Literal["engine", "router", "trainer", "orchestrator", "server", "quantizer"]
+    role: Literal["engine", "router", "trainer", "orchestrator", "server", "quantizer", "setup"]
     argv: tuple[str, ...]
     env: dict[str, str] = Field(default_factory=dict, description="Added to the driver's environment.")
     devices: tuple[str, ...] = Field((), description="Devices this process owns (cpu:N cores or cuda:N).")

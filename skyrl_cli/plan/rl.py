@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from skyrl_cli.errors import UsageError
-from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_specs, engine_url, router_spec
+from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
@@ -68,18 +68,33 @@ def orchestrator_spec(
     return ProcessSpec(name=ORCHESTRATOR_NAME, role="orchestrator", argv=tuple(argv), env=env, kind="job")
 
 
-def int4_setup(recipe: Recipe, run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
-    """With ``quantization.int4_rollouts`` the engines serve W4A16 from the start: a setup job
-    exports the initial policy into ``int4/`` and the engines load that; every later version comes
-    from the learner, already exported. Returns (setup jobs, the model the engines start from)."""
+ENGINE_MODEL_NAME = "engine-model"
+UNTIE_MODULE = "backends.models.tied"
+
+
+def engine_model_setup(recipe: Recipe, run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
+    """The model the engines start from, and the setup job that makes it. Returns (setup jobs, model).
+
+    - LoRA: ``init_from`` itself (its weights never reload; versions are adapters).
+    - ``quantization.int4_rollouts``: the engines serve W4A16 from the start; a setup job exports
+      the initial policy into ``int4/`` (every later version comes from the learner, exported).
+    - Otherwise ``engine-model/``, links to ``init_from``'s files, with a tied model served untied
+      (``backends.models.tied``: vLLM's in-place reload keeps a tied head at its first weights).
+      The job decides at run time, when an SFT stage that runs first has written ``init_from``.
+    Both exports write a tied head out, so every version the engines reload carries it."""
     from skyrl_cli.plan.quantize import ptq_spec
     from skyrl_cli.rundir import RunDir
 
-    if recipe.quantization is None or not recipe.quantization.int4_rollouts:
+    if recipe.model.lora is not None:
         return (), init_from
-    spec = ptq_spec(run_dir, str(init_from), machine)
-    spec = spec.model_copy(update={"kind": "setup", "argv": (*spec.argv, "--setup")})
-    return (spec,), RunDir(run_dir).int4
+    if recipe.quantization is not None and recipe.quantization.int4_rollouts:
+        spec = ptq_spec(run_dir, str(init_from), machine)
+        spec = spec.model_copy(update={"kind": "setup", "argv": (*spec.argv, "--setup")})
+        return (spec,), RunDir(run_dir).int4
+    served = RunDir(run_dir).engine_model
+    argv = (machine.python, "-m", UNTIE_MODULE, "--src", str(init_from), "--out", str(served))
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return (ProcessSpec(name=ENGINE_MODEL_NAME, role="setup", argv=argv, env=env, kind="setup"),), served
 
 
 def plan_rl(
@@ -95,7 +110,7 @@ def plan_rl(
     ports = machine.free_ports(inf.engines + 4)
     engine_ports, (router_port, prometheus_port, rdzv_port, nccl_port) = ports[: inf.engines], ports[inf.engines :]
     router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
-    setup, served = int4_setup(recipe, run_dir, init_from, machine)
+    setup, served = engine_model_setup(recipe, run_dir, init_from, machine)
     engines = engine_specs(recipe, inf_machine, engine_ports, str(served), async_mode, weight_sync)
     urls = all_engine_urls(recipe, inf_machine, engine_ports)
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
@@ -103,7 +118,8 @@ def plan_rl(
     trainer = trainer_spec(
         recipe, run_dir, machine, module=LEARNER_MODULE, resume=resume,
         resources=trainer_resources(recipe, machine), port=rdzv_port,
-        extra_args=("--init-from", str(init_from), *learner_sync_args(recipe, weight_sync, urls, machine.host, nccl_port)),
+        extra_args=("--init-from", str(init_from), "--engine-dtype", engine_dtype(recipe, inf_machine),
+                    *learner_sync_args(recipe, weight_sync, urls, machine.host, nccl_port)),
     )  # fmt: skip
     # With NCCL the learner opens its group with the engines at start-up, so it waits for them.
     trainer = trainer.model_copy(update={"start_with_engines": weight_sync != "nccl"})

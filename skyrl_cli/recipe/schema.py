@@ -37,9 +37,16 @@ class Section(BaseModel):
 
 
 class TinyModelInit(Section):
-    """A random-init Llama-architecture model created locally (no hub access needed)."""
+    """A random-init model created locally (no hub access needed), shaped like a real family."""
 
-    arch: Literal["llama"] = Field("llama", description="Model architecture of the tiny model.")
+    arch: Literal["llama", "qwen2", "qwen3"] = Field(
+        "llama",
+        description='Model architecture: "llama", "qwen2" (bias on q/k/v) or "qwen3" (q/k RMSNorm, explicit head_dim).',
+    )
+    tie_embeddings: bool = Field(
+        False,
+        description="Tie the output head to the input embeddings (tie_word_embeddings), as most small real models do.",
+    )
     hidden_size: Annotated[int, Field(ge=8, le=8192)] = Field(128, description="Hidden size.")
     layers: Annotated[int, Field(ge=1, le=128)] = Field(4, description="Number of decoder layers.")
     heads: Annotated[int, Field(ge=1, le=128)] = Field(4, description="Attention heads.")

@@ -34,12 +34,12 @@ def free_ports(n: int) -> list[int]:
 def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
     """A random-init tiny Llama with a character tokenizer, saved as an HF directory."""
     from backends.models.loading import save_hf
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(TINY_ALPHABET)
-    model = build_tiny_llama(TinyModelInit(hidden_size=128, layers=layers, heads=4), tokenizer, seed)
+    model = build_tiny_model(TinyModelInit(hidden_size=128, layers=layers, heads=4), tokenizer, seed)
     return save_hf(model, tokenizer, out_dir)
 
 

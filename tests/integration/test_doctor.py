@@ -20,4 +20,5 @@ def test_doctor_with_the_engine_smoke_test_passes_on_a_set_up_machine():
     assert {"gloo", "nccl"} & names
     (smoke,) = [line for line in lines if line.startswith("pass  engine smoke test: ")]
     assert "started and generated" in smoke
+    assert "a weight-sync round trip (untied head) gave logprobs" in smoke  # the quickstart's model is untied
     assert lines[-1].startswith("doctor: all ")

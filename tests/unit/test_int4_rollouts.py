@@ -47,12 +47,15 @@ def test_the_engines_start_from_the_int4_export_of_the_initial_policy(tmp_path):
     json.loads(plan.model_dump_json())  # plan.json still serialises
 
 
-def test_without_int4_rollouts_nothing_runs_before_the_engines(tmp_path):
+def test_without_int4_rollouts_the_engines_start_from_the_engine_model(tmp_path):
+    """The setup job before the engines links the initial policy (untied when tied: backends.models.tied)."""
+    served = str(RunDir(tmp_path).engine_model)
     for quantization in (None, {"int4_qat": True}):
         plan = build_plan(recipe(quantization), "rl", tmp_path, machine=CPU2)
-        assert all(p.kind != "setup" for p in plan.processes)
+        (setup,) = [p for p in plan.processes if p.kind == "setup"]
+        assert setup.argv[1:] == ("-m", "backends.models.tied", "--src", "/models/policy", "--out", served)
         engines = [p for p in plan.processes if p.role == "engine"]
-        assert all("/models/policy" in p.argv for p in engines)
+        assert engines and all(served in p.argv and "/models/policy" not in p.argv for p in engines)
 
 
 def test_int4_rollouts_never_take_the_nccl_path():

@@ -1,7 +1,7 @@
 """Imports point down the layers (README, "Development"): read from the source, no import needed.
 
-- backends import from ``skyrl_cli`` only its contract modules (the recipe schema, metric events,
-  errors, atomic files, the run directory, free ports), never its commands, plan or launch;
+- backends import from ``skyrl_cli`` only its contract modules (the recipe schema, metric events
+  and run-health checks, errors, atomic files, the run directory, free ports), never its commands, plan or launch;
 - the contract modules import nothing of skyrl beyond each other;
 - the recipe layer does not import the plan, launch or command layers; the plan layer does not
   import launch or commands; the metrics layer does not import plan, launch or commands.
@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CONTRACTS = {
     "skyrl_cli.recipe.schema", "skyrl_cli.metrics.events", "skyrl_cli.errors", "skyrl_cli.atomic",
-    "skyrl_cli.rundir", "skyrl_cli.ports",
+    "skyrl_cli.rundir", "skyrl_cli.ports", "skyrl_cli.metrics.health",
 }  # fmt: skip
 
 

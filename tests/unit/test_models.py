@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backends.models.loading import load_hf, save_hf
-from backends.models.tiny import build_tiny_llama, padded_vocab_size
+from backends.models.tiny import build_tiny_model, padded_vocab_size
 from backends.models.tokenizer import build_char_tokenizer
 from skyrl_cli.recipe.schema import LoraConfig, TinyModelInit
 
@@ -20,7 +20,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    return build_tiny_llama(INIT, tok, seed=0).eval()
+    return build_tiny_model(INIT, tok, seed=0).eval()
 
 
 def test_char_tokenizer_layout(tok):
@@ -36,8 +36,8 @@ def test_vocab_is_padded(model, tok):
 
 
 def test_same_seed_same_weights(tok, model):
-    again = build_tiny_llama(INIT, tok, seed=0)
-    other = build_tiny_llama(INIT, tok, seed=1)
+    again = build_tiny_model(INIT, tok, seed=0)
+    other = build_tiny_model(INIT, tok, seed=1)
     w = model.model.embed_tokens.weight
     assert torch.equal(w, again.model.embed_tokens.weight)
     assert not torch.equal(w, other.model.embed_tokens.weight)
@@ -57,7 +57,7 @@ def test_saved_model_and_tokenizer_load_with_transformers(tmp_path, model, tok):
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_restarting_position_ids_isolate_packed_sequences(tok, impl):
     """Padding-free packing relies on transformers deriving per-sequence masks from position ids."""
-    m = build_tiny_llama(INIT, tok, seed=0).eval()
+    m = build_tiny_model(INIT, tok, seed=0).eval()
     m.config._attn_implementation = impl
     a, b = torch.randint(3, 19, (1, 7)), torch.randint(3, 19, (1, 5))
     packed = m(
@@ -74,7 +74,7 @@ def test_lora_adapter_save_and_merge(tmp_path, tok):
 
     from backends.models.lora import apply_lora, merged_copy, save_adapter
 
-    base = build_tiny_llama(INIT, tok, seed=0)
+    base = build_tiny_model(INIT, tok, seed=0)
     peft_model = apply_lora(base, LoraConfig(rank=4, alpha=8))
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -89,5 +89,5 @@ def test_lora_adapter_save_and_merge(tmp_path, tok):
     assert torch.allclose(merged(ids).logits, expected, atol=1e-5)
     assert any("lora_" in n for n, _ in peft_model.named_parameters())  # the training model is untouched
     save_adapter(peft_model, tmp_path / "adapter")
-    reloaded = PeftModel.from_pretrained(build_tiny_llama(INIT, tok, seed=0), tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(build_tiny_model(INIT, tok, seed=0), tmp_path / "adapter")
     assert torch.allclose(reloaded(ids).logits, expected, atol=1e-6)

@@ -27,9 +27,9 @@ def tok():
 
 
 def tiny(tok, seed: int = 0, init: TinyModelInit = INIT):
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
 
-    return build_tiny_llama(init, tok, seed)
+    return build_tiny_model(init, tok, seed)
 
 
 def hand_layer() -> torch.nn.Sequential:

@@ -106,12 +106,12 @@ def peft_policy():
     import torch
 
     from backends.models.lora import apply_lora
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import LoraConfig, TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=")
-    model = apply_lora(build_tiny_llama(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0), LoraConfig(rank=4))
+    model = apply_lora(build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0), LoraConfig(rank=4))
     with torch.no_grad():  # a non-zero adapter (peft starts B at 0)
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -148,11 +148,11 @@ def test_lora_export_holds_the_adapter_and_the_merged_model_only_on_request(tmp_
 def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled(peft_policy):
     import torch
 
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from skyrl_cli.recipe.schema import TinyModelInit
 
     model, tokenizer = peft_policy
-    initial = build_tiny_llama(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0)  # same seed: the base
+    initial = build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0)  # same seed: the base
     ids = torch.randint(3, 12, (2, 6))
     with torch.no_grad():
         adapted = model(input_ids=ids).logits

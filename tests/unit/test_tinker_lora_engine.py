@@ -20,12 +20,12 @@ SEQ = [7, 20, 11, 33, 9, 25, 14, 30, 8, 19]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from backends.models.loading import save_hf
-    from backends.models.tiny import build_tiny_llama
+    from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
     from skyrl_cli.recipe.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(string.digits + string.ascii_lowercase + " +-*=?.,")
-    model = build_tiny_llama(TinyModelInit(hidden_size=32, layers=1, heads=2, intermediate_size=64), tokenizer, 0)
+    model = build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2, intermediate_size=64), tokenizer, 0)
     return save_hf(model, tokenizer, tmp_path_factory.mktemp("m") / "model")
 
 

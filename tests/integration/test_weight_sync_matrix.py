@@ -1,0 +1,140 @@
+"""After one real weight sync, do the engines serve the weights the trainer published?
+
+For tied and untied Llama, Qwen2 and Qwen3 models (built locally like the tiny model), each engine
+starts the way the RL stage starts it (from ``engine-model/``, ``backends.models.tied``), loads a
+moved policy published as the learner publishes it, and its prompt logprobs of a fixed sequence are
+compared with transformers' on those weights (``backends.inference.sync_check``).
+
+Bounds (measured on this kind of machine): fp32 engines agree to ~1e-6 (asserted: 1e-4); bf16
+engines to ~8e-3 max, ~2e-3 mean (asserted: 2e-2 max; ``skyrl_cli.metrics.health`` has the floors an
+RL step's mean gap is judged by). Before the fix, a tied model's engine kept its first output head across the
+reload: 0.05-0.25 away in fp32.
+
+Then the guard: an RL run whose engines serve other weights than the trainer holds (engines started
+elsewhere, ``inference.urls``) says so in one line and records it in ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cli_runs import run_skyrl
+from tests.integration.conftest import TINY_ALPHABET, cpu_machine, free_ports, inference_recipe
+
+pytestmark = pytest.mark.integration
+
+CASES = [(arch, tied, "float32") for arch in ("llama", "qwen2", "qwen3") for tied in (False, True)]
+CASES += [("llama", True, "bfloat16")]
+BOUND = {"float32": 1e-4, "bfloat16": 2e-2}
+PLACEHOLDER = "__MODEL__"
+
+
+def case_id(case) -> str:
+    arch, tied, dtype = case
+    return f"{arch}-{'tied' if tied else 'untied'}-{dtype}"
+
+
+def build_model(out_dir: Path, arch: str, tied: bool) -> Path:
+    from backends.models.loading import save_hf
+    from backends.models.tiny import build_tiny_model
+    from backends.models.tokenizer import build_char_tokenizer
+    from skyrl_cli.recipe.schema import TinyModelInit
+
+    tokenizer = build_char_tokenizer(TINY_ALPHABET)
+    init = TinyModelInit(arch=arch, hidden_size=64, layers=2, heads=2, intermediate_size=128, tie_embeddings=tied)
+    return save_hf(build_tiny_model(init, tokenizer, seed=3), tokenizer, out_dir)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Every case's engine, started together (their start-ups overlap), as ``case -> (url, model dir)``."""
+    from backends.models.tied import write_untied_copy
+    from skyrl_cli.launch.supervisor import Supervisor
+    from skyrl_cli.plan.inference import engine_specs, engine_url
+
+    root = tmp_path_factory.mktemp("sync-matrix")
+    machine = cpu_machine()
+    ports = free_ports(len(CASES))
+    specs, served = [], {}
+    for index, (case, port) in enumerate(zip(CASES, ports)):
+        model = build_model(root / case_id(case) / "model", case[0], case[1])
+        write_untied_copy(model, root / case_id(case) / "engine-model")
+        recipe = inference_recipe(engines=len(CASES), model={"dtype": case[2]})
+        spec = engine_specs(recipe, machine, ports, PLACEHOLDER)[index]
+        argv = tuple(str(root / case_id(case) / "engine-model") if a == PLACEHOLDER else a for a in spec.argv)
+        specs.append(spec.model_copy(update={"name": f"engine-{case_id(case)}", "argv": argv}))
+        served[case] = (engine_url(machine, port), model)
+    with Supervisor(root / "run") as supervisor:
+        for spec in specs:
+            supervisor.start(spec)
+        supervisor.wait_ready([s.name for s in specs])
+        yield served
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_engine_serves_the_synced_weights(engines, case, tmp_path):
+    from backends.inference.sync_check import round_trip
+
+    url, model = engines[case]
+    result = round_trip(url, model, tmp_path)
+    assert result["tied"] == case[1]
+    assert result["max_abs_diff"] < BOUND[case[2]], result
+
+
+GUARD_RECIPE = """
+name = "guard"
+seed = 0
+
+[model]
+path = "{model}"
+dtype = "float32"
+
+[data]
+task = "addition"
+digits = 2
+eval_size = 8
+
+[rl]
+init_from = "{model}"
+steps = 1
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 4
+eval_every = 0
+save_every = 0
+
+[inference]
+engines = 0
+urls = ["{url}"]
+
+[trainer]
+ranks = 1
+zero_stage = 0
+"""
+
+
+def test_the_guard_fires_when_the_engines_serve_other_weights(engines, tmp_path):
+    """Engines started elsewhere that serve a moved copy of the policy: step 1 (on-policy by the
+    engines' label, version 0) shows a gap no numerics explain; the run says so and records it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.inference.sync_check import moved_policy
+    from backends.inference.weight_sync import run_blocking, sync_weights
+    from backends.models.tied import save_for_engines
+
+    url, model = engines[("llama", True, "float32")]
+    other = moved_policy(AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32), seed=1)
+    save_for_engines(other, AutoTokenizer.from_pretrained(str(model)), tmp_path / "other")
+    run_blocking(sync_weights([url], tmp_path / "other", "0"))
+    (tmp_path / "recipe.toml").write_text(GUARD_RECIPE.format(model=model, url=url))
+    proc = run_skyrl("rl", "recipe.toml", "--quiet", cwd=tmp_path, timeout=600)
+    assert "warning: step 1: trainer and engines disagree" in proc.stderr, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "runs/guard/rl/summary.json").read_text())
+    health = summary["health"]
+    # step 1 is judged against 10x the fp32 floor: no numerics reach it
+    assert health["sync_gap_first_step"] == 1 and health["sync_gap_max"] > health["sync_gap_bound"] == 1e-2
+    assert "not serving the trainer's weights" in (tmp_path / "runs/guard/rl/logs/trainer.log").read_text()
