@@ -50,7 +50,7 @@ def build_model(out: Path) -> Path:
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(get_task("addition").alphabet)
     model = build_tiny_model(TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512), tokenizer, seed=0)
@@ -59,7 +59,7 @@ def build_model(out: Path) -> Path:
 
 def simulated_learner(run_dir: Path, model_dir: Path, steps: int, train_s: float, marks: dict) -> None:
     """Batch k in, sleep, version k+1 out (the same weights)."""
-    from backends.exchange import RunExchange
+    from skyrl_contracts.exchange import RunExchange
 
     exchange = RunExchange(run_dir)
 
@@ -80,11 +80,11 @@ def simulated_learner(run_dir: Path, model_dir: Path, steps: int, train_s: float
 
 
 def run_once(model_dir: Path, root: Path, args, async_mode: bool) -> dict:
-    from backends.inference.stack import launch_inference
+    from skyrl_cli.engines.stack import launch_inference
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.build import build_plan
     from skyrl_cli.recipe.loader import load_recipe
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     sets = [
         f"rl.init_from={model_dir}",

@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO))
 
 from skyrl_cli.launch.supervisor import Supervisor  # noqa: E402
 from skyrl_cli.plan.inference import Machine, engine_specs, engine_url  # noqa: E402
-from skyrl_cli.ports import find_free_ports  # noqa: E402
+from skyrl_contracts.ports import find_free_ports  # noqa: E402
 from skyrl_cli.recipe.lengths import with_model_lengths  # noqa: E402
-from skyrl_cli.recipe.schema import Recipe  # noqa: E402
+from skyrl_contracts.schema import Recipe  # noqa: E402
 
 MODES = ("uni", "mp")
 

@@ -95,7 +95,7 @@ def serve_and_score(model_dir: Path, recipe, data, tokenizer, work: Path) -> flo
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import Machine, engine_specs, engine_url
     from skyrl_cli.plan.machine import cpu_has_native_bf16
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     machine = Machine(device="cpu", engine_cores=tuple(sorted(os.sched_getaffinity(0))), cpu_bf16=cpu_has_native_bf16())
     (port,) = find_free_ports(1)

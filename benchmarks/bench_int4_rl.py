@@ -44,7 +44,7 @@ def parse_args(argv=None):
 
 
 def mean_event(run_dir: Path, name: str) -> float:
-    from skyrl_cli.metrics.events import iter_events
+    from skyrl_contracts.events import iter_events
 
     values = [e.value for e in iter_events(run_dir / "events.jsonl") if e.name == name]
     return statistics.fmean(values) if values else float("nan")

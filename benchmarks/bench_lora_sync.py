@@ -37,7 +37,7 @@ def build_model(out: Path, hidden: int, layers: int):
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=")
     heads = max(1, hidden // 32)  # head size 32: one vLLM serves
@@ -92,9 +92,9 @@ def main() -> None:
     from backends.models.lora import apply_lora
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import Machine, engine_specs, engine_url
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
     from skyrl_cli.recipe.lengths import with_model_lengths
-    from skyrl_cli.recipe.schema import LoraConfig, Recipe
+    from skyrl_contracts.schema import LoraConfig, Recipe
 
     work = Path(tempfile.mkdtemp(prefix="bench-lora-sync-"))
     full_model, _ = build_model(work / "base", args.hidden, args.layers)

@@ -77,7 +77,7 @@ def worker(args) -> None:
     from backends.train.engine import init_distributed, make_engine, train_step
     from backends.train.microbatch import rank_micro_batches
     from backends.train.packing import dynamic_layout, fixed_layout
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     d = init_distributed("cpu")

@@ -58,7 +58,7 @@ def build_model(out_dir: Path) -> Path:
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(string.digits + string.ascii_lowercase + " +-*=?.,")
     model = build_tiny_model(TinyModelInit(hidden_size=128, layers=4, heads=4), tokenizer, seed=0)
@@ -139,10 +139,10 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from backends.inference.stack import launch_inference
+    from skyrl_cli.engines.stack import launch_inference
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_specs, engine_url, router_spec
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     model_dir = build_model(work / "model")

@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from backends.routing.sweep import SweepConfig, parse_pressures, run_sweep, working_set_per_replica
+from skyrl_cli.routing.sweep import SweepConfig, parse_pressures, run_sweep, working_set_per_replica
 
 PAIRS = (("sticky_least_loaded", "consistent_hash"), ("sticky_kv_repin", "sticky_least_loaded"),
          ("sticky_kv_repin", "consistent_hash"))

@@ -7,7 +7,7 @@ once untied from the same seed, and runs the quickstart's task and schedule on e
 ``skyrl rl`` (sync, ``--steps``), exactly as a user runs them. Per run it prints the trainer-vs-engine
 logprob gap on the policy's own samples (``train/logprob_diff``: every sync step is on-policy) at
 steps 1, 30 and the last, its max over the run, the held-out accuracy before -> after RL, and whether
-the run's health check (``skyrl_cli.metrics.health``) fired; then the ratio tied / untied of the
+the run's health check (``skyrl_contracts.health``) fired; then the ratio tied / untied of the
 mean gap, the baseline being the untied model run in the same invocation.
 
     python benchmarks/bench_tied_rl.py                      # seeds 0 1 2, tied and untied, 60 RL steps
@@ -59,7 +59,7 @@ def user_model(out_dir: Path, tied: bool, seed: int = 0) -> Path:
     """The quickstart's model shape (hidden 128, 4 layers) as a user's own directory."""
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = bpe_tokenizer()
     init = TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512, tie_embeddings=tied)
@@ -86,7 +86,7 @@ def run(skyrl: str, stage: str, recipe: Path, run_dir: Path, sets: list[str]) ->
 
 
 def gaps(run_dir: Path) -> dict[int, float]:
-    from skyrl_cli.metrics.events import iter_events
+    from skyrl_contracts.events import iter_events
 
     return {e.step: e.value for e in iter_events(run_dir / "events.jsonl") if e.name == "train/logprob_diff"}
 

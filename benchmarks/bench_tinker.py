@@ -42,7 +42,7 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tok = build_char_tokenizer(string.digits + string.ascii_lowercase + " +-*=?.,")
     model = build_tiny_model(TinyModelInit(hidden_size=hidden, layers=layers, heads=4, max_position_embeddings=512), tok, 0)
@@ -243,7 +243,7 @@ def sampling(args, model_dir: Path, tmp: Path) -> None:
     from skyrl_cli.plan.inference import Machine, engine_specs, engine_url
     from skyrl_cli.plan.tinker import with_max_loras
     from skyrl_cli.recipe.lengths import with_model_lengths
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     recipe = with_model_lengths(Recipe.model_validate({"name": "b", "model": {"path": str(model_dir), "lora": {"rank": 8}},
                                                        "tinker": {}, "inference": {"engines": 1}}))  # fmt: skip

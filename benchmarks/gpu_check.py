@@ -96,7 +96,7 @@ def tiny_model_dir(out: Path) -> Path:
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
     model = build_tiny_model(TinyModelInit(hidden_size=256, layers=4, heads=4, max_position_embeddings=1024), tokenizer, 0)
@@ -220,11 +220,11 @@ def stage_sft_05b(ctx) -> dict[str, str]:
 
 def learner_run_dir(root: Path, model_dir: Path, steps: int, prompts: int, samples: int, max_response: int):
     """A run directory as ``skyrl rl`` lays it out, with the recipe and ``steps`` synthetic batches."""
-    from backends.exchange import RunExchange
+    from skyrl_contracts.exchange import RunExchange
     from backends.rollout.batch import Sample
-    from skyrl_cli.atomic import write_json
-    from skyrl_cli.recipe.schema import Recipe
-    from skyrl_cli.rundir import RunDir, recipe_json
+    from skyrl_contracts.atomic import write_json
+    from skyrl_contracts.schema import Recipe
+    from skyrl_contracts.rundir import RunDir, recipe_json
 
     import random
 
@@ -253,8 +253,8 @@ def stage_rl_learner(ctx) -> dict[str, str]:
     """The learner as ``skyrl rl`` starts it with ``--weight-sync nccl`` but no engine to send to:
     where vLLM is missing, its NCCL set-up must fail over to the disk path (one line) and train on."""
     from backends.train.rl_learner import Learner, NcclTarget
-    from skyrl_cli.metrics.events import iter_events
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.events import iter_events
+    from skyrl_contracts.ports import find_free_ports
 
     if not has("deepspeed"):
         raise Skip("no DeepSpeed: the RL learner is a DeepSpeed process (carry it: scripts/gpu-check.sh --fetch-wheels)")
@@ -293,7 +293,7 @@ def stage_int4_qat(ctx) -> dict[str, str]:
     if not has("torchao"):
         raise Skip("no torchao: INT4 fake-quant is torchao's QAT")
     from backends.quant.fake_quant import prepare_qat
-    from skyrl_cli.recipe.schema import QuantizationConfig
+    from skyrl_contracts.schema import QuantizationConfig
 
     model = AutoModelForCausalLM.from_pretrained(str(ctx.tiny), dtype="float32")
     layers = prepare_qat(model, QuantizationConfig(group_size=32))
@@ -357,7 +357,7 @@ def stage_tied_sync(ctx) -> dict[str, str]:
     from backends.models.tied import save_for_engines, tied_head, write_untied_copy
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     dev = device()
     dtype = torch.bfloat16 if cuda() else torch.float32

@@ -19,7 +19,7 @@ from pathlib import Path
 
 def _recipe(model_dir: Path, on_gpu: bool):
     from skyrl_cli.recipe.lengths import with_model_lengths
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     inference = {"engines": 1, "max_model_len": 512, "max_num_seqs": 64, "max_concurrency": 64}
     if on_gpu:
@@ -35,7 +35,7 @@ def serving(model_dir: Path, run_dir: Path, engine_gpu: int | None, weight_sync:
     """One engine (on ``engine_gpu``, else a CPU core) and the router; yields (engine, router) URLs."""
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import Machine, engine_specs, engine_url, router_spec
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     on_gpu = engine_gpu is not None
     machine = Machine("cuda", engine_gpus=(engine_gpu,)) if on_gpu else Machine("cpu", engine_cores=(0,))
@@ -101,7 +101,7 @@ def disk_sync_per_step(model, tokenizer, url: str, out: Path, steps: int = 3) ->
 
 def nccl_sync_per_step(model, url: str, steps: int = 3) -> float:
     from backends.inference.nccl_sync import NcclWeightSync
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     (port,) = find_free_ports(1)
     syncer = NcclWeightSync([url], 1, model, "127.0.0.1", port)
@@ -149,7 +149,7 @@ def tied_round_trip(ctx, engine_gpu: int | None) -> str:
     from backends.models.tied import write_untied_copy
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
     init = TinyModelInit(hidden_size=256, layers=2, heads=4, tie_embeddings=True)

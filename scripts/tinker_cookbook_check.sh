@@ -24,15 +24,15 @@ CONV="$("$COOKBOOK_VENV/bin/python" -c 'import tinker_cookbook, pathlib; print(p
 import json, string, sys
 sys.path.insert(0, ".")
 from backends.models.loading import save_hf
-from backends.models.tiny import build_tiny_llama
+from backends.models.tiny import build_tiny_model
 from backends.models.tokenizer import build_char_tokenizer
-from skyrl_cli.recipe.schema import TinyModelInit
+from skyrl_contracts.schema import TinyModelInit
 chars = set(string.printable)
 for line in open(sys.argv[1]):
     for m in json.loads(line)["messages"]:
         chars |= set(m["content"])
 tok = build_char_tokenizer(sorted(c for c in chars if len(c) == 1))
-save_hf(build_tiny_llama(TinyModelInit(hidden_size=128, layers=2, heads=4), tok, 0), tok, sys.argv[2])
+save_hf(build_tiny_model(TinyModelInit(hidden_size=128, layers=2, heads=4), tok, 0), tok, sys.argv[2])
 PYEOF
 cat > "$WORK/tinker.toml" <<TOML
 name = "cookbook-check"

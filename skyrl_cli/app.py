@@ -13,7 +13,7 @@ import sys
 import typer
 
 from skyrl_cli import __version__
-from skyrl_cli.errors import SkyrlError
+from skyrl_contracts.errors import SkyrlError
 
 COMMAND_MODULES = ("recipes", "completions", "sft", "rl", "quantize", "bench", "tinker", "runs", "doctor")
 

@@ -16,7 +16,7 @@ from typing import Callable
 from backends.data.chat import Example, encode_conversations, encode_prompt, split_reference, to_messages
 from backends.data.files import hold_out, load_rows
 from backends.data.tasks import Task, exact_match, flawed_demonstrations, get_task
-from skyrl_cli.recipe.schema import DataConfig
+from skyrl_contracts.schema import DataConfig
 
 
 @dataclass(frozen=True)

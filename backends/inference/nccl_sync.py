@@ -10,7 +10,7 @@ Who does what. The learner's rank 0 is the sender, so it opens the group at star
 (``open_weight_syncer``) and drives the data plane (``/start_weight_update``, ``/update_weights``
 concurrently with its broadcast, ``/finish_weight_update``). The orchestrator keeps the control
 plane it has on the disk path, so versions and pause/resume are identical on both paths
-(``NcclEngineWeights``): for each version, through the run directory (``backends.exchange``)::
+(``NcclEngineWeights``): for each version, through the run directory (``skyrl_contracts.exchange``)::
 
     learner                                   orchestrator
     weights/v<k>/transfer.json, LATEST = k -> sees k: /pause?mode=keep on every engine

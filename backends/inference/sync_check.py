@@ -11,7 +11,7 @@ serves ``DIR``, or the untied copy the RL stage starts engines from):
 
 Prints one JSON line: ``{"max_abs_diff", "mean_abs_diff", "tied", "tokens"}``. A sync that leaves any
 part of the policy behind is off by the noise's effect, orders of magnitude above the numerics
-(fp32 engines agree to ~1e-6; see ``SYNC_GAP_FLOORS`` in ``skyrl_cli.metrics.health``). Used by
+(fp32 engines agree to ~1e-6; see ``SYNC_GAP_FLOORS`` in ``skyrl_contracts.health``). Used by
 ``skyrl doctor --smoke`` and the tied/untied sync matrix test.
 """
 
@@ -22,7 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from backends.inference.weight_sync import BASE_MODEL_NAME, run_blocking, sync_weights
+from backends.inference.weight_sync import run_blocking, sync_weights
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 
 NOISE = 0.5  # in units of each tensor's own std: far above rounding, small enough to stay a model
 SEQUENCE_LEN = 24
@@ -58,7 +59,7 @@ def transformers_logprobs(model, ids: list[int]) -> list[float]:
     return logprobs.gather(1, torch.tensor(ids[1:], device=on).unsqueeze(1)).squeeze(1).tolist()
 
 
-def engine_logprobs(url: str, ids: list[int], model_name: str = BASE_MODEL_NAME, timeout_s: float = 60.0) -> list[float]:
+def engine_logprobs(url: str, ids: list[int], model_name: str = SERVED_MODEL_NAME, timeout_s: float = 60.0) -> list[float]:
     """The engine's prompt logprobs of ``ids`` (positions 1..), temperature 1 (no processing)."""
     import httpx
 

@@ -41,9 +41,10 @@ from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import httpx
 
-from skyrl_cli.atomic import write_json
-from skyrl_cli.errors import SkyrlError
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.atomic import write_json
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
+from skyrl_contracts.errors import SkyrlError
+from skyrl_contracts.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +291,7 @@ class CurrentWeights:
 
 def record_current_weights(run_dir: str | os.PathLike, current: CurrentWeights) -> None:
     """Atomically write ``weights/current.json``; call it *before* syncing the engines, so an engine
-    restarted meanwhile reads the newer weights (see ``backends.inference.recovery``)."""
+    restarted meanwhile reads the newer weights (see ``skyrl_cli.engines.recovery``)."""
     record = {"path": current.path, "version": current.version, "lora_name": current.lora_name}
     write_json(RunDir(run_dir).current_weights, record, indent=None)
 
@@ -316,7 +317,7 @@ async def bring_up_to_date(engine_urls: Sequence[str], current: CurrentWeights |
 class EngineWeights:
     """The orchestrator's view of the engines' weights: label the initial policy, load a published
     version. ``weights/current.json`` is recorded before each load, so an engine that the recovery
-    loop restarts meanwhile loads the same version (``backends.inference.recovery``)."""
+    loop restarts meanwhile loads the same version (``skyrl_cli.engines.recovery``)."""
 
     lora = False  # v0 is the engines' own weights: labelled, not loaded
 
@@ -330,7 +331,7 @@ class EngineWeights:
 
     def model_name(self, version: int) -> str:
         """What a rollout request names to sample from ``version``: full weights have one name."""
-        return BASE_MODEL_NAME
+        return SERVED_MODEL_NAME
 
     async def load(self, version: int, weights_dir: str | os.PathLike) -> WeightSyncResult:
         record_current_weights(self.run_dir, CurrentWeights(str(weights_dir), str(version)))
@@ -347,8 +348,7 @@ class EngineWeights:
 
 # ------------------------------------------------------------------------------ LoRA versions
 
-BASE_MODEL_NAME = "policy"  # skyrl_cli.plan.inference.ENGINE_MODEL_NAME (not imported: layering)
-ADAPTER_PREFIX = f"{BASE_MODEL_NAME}-v"
+ADAPTER_PREFIX = f"{SERVED_MODEL_NAME}-v"
 
 
 def adapter_name(version: int) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from skyrl_cli.recipe.schema import ModelConfig
+from skyrl_contracts.schema import ModelConfig
 
 
 def load_tokenizer_for(model_cfg: ModelConfig, alphabet: str | None = None):

@@ -9,7 +9,7 @@ import copy
 import os
 from pathlib import Path
 
-from skyrl_cli.recipe.schema import LoraConfig
+from skyrl_contracts.schema import LoraConfig
 
 ADAPTER_DIR = "adapter"  # the adapter inside an exported model directory (checkpoints, final/)
 

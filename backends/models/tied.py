@@ -162,7 +162,7 @@ def write_untied_copy(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
     weights are not copied). Built beside ``dst`` and published whole. True when the model is tied."""
     from safetensors import safe_open
 
-    from skyrl_cli.atomic import publish_dir
+    from skyrl_contracts.atomic import publish_dir
 
     src, dst = Path(src).resolve(), Path(dst)
     tied = config_ties(json.loads((src / "config.json").read_text(encoding="utf-8")))

@@ -3,7 +3,7 @@ head), built from the recipe's ``model.init``."""
 
 from __future__ import annotations
 
-from skyrl_cli.recipe.schema import TinyModelInit
+from skyrl_contracts.schema import TinyModelInit
 
 VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of this (aligned matmuls, any engine accepts it)
 
@@ -58,3 +58,29 @@ def build_tiny_model(init: TinyModelInit, tokenizer, seed: int):
         do_sample=False,
     )
     return model
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m backends.models.tiny --init JSON --alphabet CHARS --out DIR [--seed N]``: build a tiny
+    model with a character tokenizer of ``CHARS`` and save it as an HF directory (the driver's way to
+    get one without importing torch). Prints ``{"model_dir", "alphabet_ids"}`` as its last line."""
+    import argparse
+    import json
+
+    from backends.models.loading import save_hf
+    from backends.models.tokenizer import build_char_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m backends.models.tiny", description=main.__doc__.splitlines()[0])
+    parser.add_argument("--init", required=True, help="model.init as JSON")
+    parser.add_argument("--alphabet", required=True, help="the tokenizer's characters")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    tokenizer = build_char_tokenizer(args.alphabet)
+    save_hf(build_tiny_model(TinyModelInit.model_validate_json(args.init), tokenizer, args.seed), tokenizer, args.out)
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in args.alphabet]
+    print(json.dumps({"model_dir": args.out, "alphabet_ids": ids}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

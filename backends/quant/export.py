@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from skyrl_cli.atomic import publish_dir
-from skyrl_cli.recipe.schema import QuantizationConfig
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.atomic import publish_dir
+from skyrl_contracts.schema import QuantizationConfig
+from skyrl_contracts.rundir import RunDir
 
 FORMAT = "pack-quantized"
 PROCESS_NAME = "quantizer"
@@ -195,7 +195,7 @@ def export_after_training(run_dir: str | Path, cfg: QuantizationConfig | None, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    from skyrl_cli.metrics.events import EventWriter
+    from skyrl_contracts.events import EventWriter
 
     parser = argparse.ArgumentParser(prog="python -m backends.quant.export", description="INT4 PTQ export (W4A16).")
     parser.add_argument("--run-dir", required=True, type=Path)

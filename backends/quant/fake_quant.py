@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_cli.recipe.schema import QuantizationConfig
+from skyrl_contracts.schema import QuantizationConfig
 
 QMIN, QMAX = -8, 7
 

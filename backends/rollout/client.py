@@ -43,14 +43,13 @@ from typing import Sequence
 
 import httpx
 
-from backends.inference.weight_sync import BASE_MODEL_NAME, adapter_version
-from skyrl_cli.errors import SkyrlError
+from backends.inference.weight_sync import adapter_version
+from skyrl_contracts.engine_api import GENERATE_PATH, SERVED_MODEL_NAME
+from skyrl_contracts.errors import SkyrlError
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
-DEFAULT_MODEL = BASE_MODEL_NAME
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -135,7 +134,7 @@ class RolloutClient:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
-        model: str = DEFAULT_MODEL,
+        model: str = SERVED_MODEL_NAME,
         max_model_len: int | None = None,
     ):
         self.router_url = router_url.rstrip("/")
@@ -153,7 +152,7 @@ class RolloutClient:
         self.in_flight: Counter[str] = Counter()  # requests under way per model name (LoRA unloads)
 
     @classmethod
-    def from_recipe(cls, router_url: str, recipe, model: str = DEFAULT_MODEL) -> "RolloutClient":
+    def from_recipe(cls, router_url: str, recipe, model: str = SERVED_MODEL_NAME) -> "RolloutClient":
         inf = recipe.inference
         return cls(
             router_url,

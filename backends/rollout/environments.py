@@ -21,8 +21,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
-from skyrl_cli.errors import UsageError
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.schema import Recipe
 
 from .rewards import GuardedCaller, RewardFn, as_reward, load_object, load_reward_fn, math_reward
 

@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 
-from skyrl_cli.atomic import write_json
-from skyrl_cli.metrics.events import EventWriter
-from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.atomic import write_json
+from skyrl_contracts.events import EventWriter
+from skyrl_contracts.schema import Recipe
+from skyrl_contracts.rundir import RunDir
 
 PROCESS_NAME = "orchestrator"
 ENGINES_BACK_TIMEOUT_S = 900.0  # an engine restart (start-up ~20 s, minutes on a busy machine)
@@ -410,7 +410,7 @@ def build_orchestrator(
 ) -> Orchestrator:
     """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner;
     ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``)."""
-    from backends.exchange import RunExchange
+    from skyrl_contracts.exchange import RunExchange
     from backends.models.tokenizer import load_tokenizer
     from backends.rollout.client import RolloutClient
 
@@ -432,7 +432,7 @@ def build_orchestrator(
 
 def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
     """The engines' weight loader: adapters (LoRA), NCCL transfers with disk versions in between, or disk."""
-    from backends.exchange import RunExchange
+    from skyrl_contracts.exchange import RunExchange
     from backends.inference.nccl_sync import NcclEngineWeights
     from backends.inference.weight_sync import EngineAdapters, EngineWeights
 
@@ -445,7 +445,7 @@ def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], we
 
 
 def main(argv: list[str] | None = None) -> None:
-    from backends.exchange import RunExchange, StopRequested
+    from skyrl_contracts.exchange import RunExchange, StopRequested
 
     parser = argparse.ArgumentParser(prog="python -m backends.rollout.orchestrator", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path)

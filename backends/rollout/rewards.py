@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 
 # A reward function: (model response text, the dataset row) -> reward.
 RewardFn = Callable[[str, Mapping[str, Any]], float]

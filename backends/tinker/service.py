@@ -29,7 +29,8 @@ from typing import Any
 from backends.tinker import protocol as P
 from backends.tinker.store import Store
 from backends.tinker.wire import ForwardBackward, encode_forward_backward_output
-from skyrl_cli.atomic import atomic_dir
+from skyrl_contracts.atomic import atomic_dir
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 
 log = logging.getLogger(__name__)
 GAP_WAIT_S = 5.0
@@ -50,7 +51,7 @@ class ServerConfig:
     long_poll_s: float = 20.0
     sample_url: str | None = None  # router (or single engine); None: sampling refused
     engine_urls: tuple[str, ...] = ()
-    served_base_name: str = "policy"  # the engines' name for the base model
+    served_base_name: str = SERVED_MODEL_NAME  # the engines' name for the base model
     max_samples_per_request: int = 128
     batch_adapters: bool = True  # False: one pass per adapter (the benchmark's baseline)
     session_timeout_s: float = 300.0  # no heartbeat for this long: the session ends, its adapters are freed

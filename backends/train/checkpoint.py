@@ -8,7 +8,7 @@ Layout of ``<run_dir>/checkpoints/step-<n>/``::
     trainer_state.json     {"step": n, ...}: written last
 
 All ranks write into ``checkpoints/.tmp-step-<n>/``; after a barrier rank 0 fsyncs it and
-publishes it as ``step-<n>`` (``skyrl_cli.atomic.publish_dir``), so a directory named ``step-<n>``
+publishes it as ``step-<n>`` (``skyrl_contracts.atomic.publish_dir``), so a directory named ``step-<n>``
 is always complete and on disk. Old checkpoints beyond ``keep_last`` are renamed to ``.trash-*``
 before deletion for the same reason. At start-up ``remove_leftovers`` deletes the ``.tmp-*`` /
 ``.trash-*`` of a killed run and puts back an ``.old-*`` that a publish killed mid-way left.
@@ -26,11 +26,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from skyrl_cli import atomic
+from skyrl_contracts import atomic
 
 # The one checkpoint lister lives with the run directory, light enough for the CLI (no torch).
-from skyrl_cli.rundir import CHECKPOINT_MODEL, RunDir
-from skyrl_cli.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
+from skyrl_contracts.rundir import CHECKPOINT_MODEL, RunDir
+from skyrl_contracts.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
 
 DS_TAG = "state"
 _FULL_BYTES = 1 << 20  # less than this left: the write failed for want of space

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_cli.metrics.events import EventWriter
-from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.events import EventWriter
+from skyrl_contracts.schema import Recipe
+from skyrl_contracts.rundir import RunDir
 
 PROCESS_NAME = "trainer"
 

@@ -67,7 +67,7 @@ def init_distributed(preference: str = "auto") -> Dist:
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
     if "MASTER_PORT" not in os.environ:
-        from skyrl_cli.ports import find_free_ports
+        from skyrl_contracts.ports import find_free_ports
 
         os.environ["MASTER_PORT"] = str(find_free_ports(1)[0])
     deepspeed.init_distributed(dist_backend="nccl" if kind == "cuda" else "gloo", verbose=False)

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from backends.train.common import HFExporter, load_recipe, open_events, say
-from skyrl_cli.metrics.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
+from skyrl_contracts.rundir import RunDir
 
 BATCH_TIMEOUT_S = 3600.0
 
@@ -163,7 +163,7 @@ class Learner:
         import deepspeed
         from transformers import AutoModelForCausalLM
 
-        from backends.exchange import RunExchange
+        from skyrl_contracts.exchange import RunExchange
         from backends.models.loading import torch_dtype
         from backends.models.tokenizer import load_tokenizer
         from backends.quant.fake_quant import maybe_prepare_qat
@@ -391,7 +391,7 @@ class Learner:
 
     def _sync_gap_check(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """``SYNC_GAP`` when an on-policy step's logprob gap exceeds what numerics allow
-        (``skyrl_cli.metrics.health``); said once in the log."""
+        (``skyrl_contracts.health``); said once in the log."""
         flagged = self.gap_check.judge(metrics) if self.gap_check is not None else None
         if flagged is None:
             return {}
@@ -492,7 +492,7 @@ def staleness_metrics(samples, trained_step: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from backends.exchange import StopRequested
+    from skyrl_contracts.exchange import StopRequested
 
     parser = argparse.ArgumentParser(prog="python -m backends.train.rl_learner", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path)

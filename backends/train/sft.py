@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from backends.train.common import HFExporter, load_recipe, open_events, say
-from skyrl_cli.atomic import publish_dir
-from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.atomic import publish_dir
+from skyrl_contracts.schema import Recipe
+from skyrl_contracts.rundir import RunDir
 
 
 class Window:

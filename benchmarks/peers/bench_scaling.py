@@ -58,7 +58,7 @@ def build(size: str, work: Path) -> tuple[Path, int]:
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     hidden, layers, heads, inter = SIZES[size]
     tokenizer = build_char_tokenizer(get_task("addition", 2).alphabet)

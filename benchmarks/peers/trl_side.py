@@ -35,7 +35,7 @@ class HeldOut:
     """Greedy accuracy on the task's held-out rows, exactly as the skyrl SFT trainer scores it."""
 
     def __init__(self, paths: dict, tokenizer):
-        from skyrl_cli.recipe.schema import DataConfig
+        from skyrl_contracts.schema import DataConfig
 
         task = get_task(paths["task"], paths["digits"])
         rows = read_jsonl(paths["eval_jsonl"])

@@ -3,90 +3,28 @@
 `skyrl bench routing` compares routing policies under KV-cache pressure: simulated at cluster scale
 by default, replayed against real vLLM engines behind vllm-router with ``--live``, and the two
 compared with ``--calibrate``. The simulator and the live benchmark's replay loop live in
-``backends.routing`` and are imported inside the command, so ``skyrl --help`` stays light; the
+``skyrl_cli.routing`` and are imported inside the command, so ``skyrl --help`` stays light; the
 engines and the router of ``--live`` are started here, from the launch plan, by the supervisor
-(``SupervisedCluster``, handed to ``backends.routing.live_bench`` as its ``LiveCluster``).
+(``SupervisedCluster``, handed to ``skyrl_cli.routing.live_bench`` as its ``LiveCluster``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import typer
 
 from skyrl_cli.commands.bench_tables import render_live_level, render_tables
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 
 
 # ------------------------------------------------------------------------------------------- live
-class SupervisedCluster:
-    """``backends.routing.live_bench.LiveCluster`` over the supervisor: engines up, router on demand."""
-
-    def __init__(self, supervisor, machine, engines, engine_urls, router_port: int, prometheus_port: int, run_dir):
-        from skyrl_cli.plan.inference import engine_url
-
-        self.supervisor = supervisor
-        self.machine = machine
-        self.engines = engines
-        self.engine_urls = engine_urls
-        self.router_port = router_port
-        self.prometheus_port = prometheus_port
-        self.router_url = engine_url(machine, router_port)
-        self.run_dir = run_dir
-        self._router_started = False
-
-    async def start_router(self, policy: str) -> None:
-        import asyncio
-
-        from backends.routing.live_bench import live_recipe
-        from skyrl_cli.plan.inference import router_spec
-
-        router = router_spec(live_recipe(policy, 1, 1), self.machine, self.engine_urls, self.router_port,
-                             self.prometheus_port)
-        if self._router_started:
-            self.supervisor.restart("router", router)
-        else:
-            self.supervisor.start(router)
-            self._router_started = True
-        await asyncio.to_thread(self.supervisor.wait_ready, ["router"])
-
-    def dead_processes(self) -> list[str]:
-        return [name for name, code in self.supervisor.poll().items() if code is not None]
-
-    def engine_log(self, index: int):
-        return self.run_dir.log(self.engines[index].name)
-
-
-@contextmanager
-def start_cluster(request, console) -> Iterator[SupervisedCluster]:
-    """The engines of one pressure level (``backends.routing.live_bench.ClusterRequest``), each on its
-    own core, started and ready; everything started is torn down on the way out."""
-    import os
-
-    from skyrl_cli.launch.supervisor import Supervisor
-    from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_specs
-    from skyrl_cli.ports import find_free_ports
-
-    recipe = request.recipe
-    machine = Machine(device="cpu", engine_cores=tuple(sorted(os.sched_getaffinity(0))))
-    *ports, router_port, prometheus_port = find_free_ports(recipe.inference.engines + 2)
-    engines = engine_specs(recipe, machine, ports, str(request.model_dir))
-    urls = all_engine_urls(recipe, machine, ports)
-    with Supervisor(request.run_dir.root) as sup:
-        console.print(f"[bold]live, KV pressure {request.label}[/bold]: starting {len(engines)} CPU engines ...")
-        for engine in engines:
-            sup.start(engine)
-        sup.wait_ready([e.name for e in engines])
-        yield SupervisedCluster(sup, machine, engines, urls, router_port, prometheus_port, request.run_dir)
-
-
 def _routing_live(names, pressure, seed, calibrate, repeats, run_dir, as_json) -> None:
     from rich.console import Console
 
-    from backends.routing import sweep as sw
-    from backends.routing.live_bench import (
+    from skyrl_cli.routing import sweep as sw
+    from skyrl_cli.routing.cluster import start_cluster
+    from skyrl_cli.routing.live_bench import (
         LIVE_ENGINES,
         LiveBenchConfig,
         run_live_bench,
@@ -99,7 +37,7 @@ def _routing_live(names, pressure, seed, calibrate, repeats, run_dir, as_json) -
         console.width = max(console.width, 150)
     config = LiveBenchConfig(policies=names, levels=levels, seed=seed, calibrate=calibrate, repeats=repeats)
     report = run_live_bench(
-        config, run_dir or "runs/bench-routing", lambda request: start_cluster(request, console), say=console.print,
+        config, run_dir or "runs/bench-routing", lambda request: start_cluster(request, console.print), say=console.print,
         on_level=lambda level: render_live_level(level, console, engines=LIVE_ENGINES, repeats=repeats,
                                                  calibrate=calibrate))
     if as_json:
@@ -110,7 +48,7 @@ def _routing_live(names, pressure, seed, calibrate, repeats, run_dir, as_json) -
 def _routing_simulated(config, as_json: bool, plot: str | None) -> None:
     from rich.console import Console
 
-    from backends.routing import sweep as sw
+    from skyrl_cli.routing import sweep as sw
 
     workload = config.workload
     console = Console(stderr=as_json)
@@ -142,7 +80,7 @@ def _write_plot(rows, plot: str, console) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
-    from backends.routing.plot import plot_sweep
+    from skyrl_cli.routing.plot import plot_sweep
 
     path = plot_sweep(rows, plot)
     console.print(f"plot written to {path}")
@@ -150,7 +88,7 @@ def _write_plot(rows, plot: str, console) -> None:
 
 def _sweep_config(names, levels, replicas, trajectories, turns, group_size, groups_per_step, steps, trainer_step_s,
                   staleness, seed, repeats):
-    from backends.routing import sweep as sw
+    from skyrl_cli.routing import sweep as sw
 
     workload = sw.with_overrides(
         sw.WorkloadSpec(), group_size=group_size, max_inflight_groups=max(1, round(trajectories / group_size)),
@@ -195,8 +133,8 @@ def routing(
                                                "(default runs/bench-routing)."),
 ) -> None:
     """Compare routing policies under KV-cache pressure (simulated; --live / --calibrate on real engines)."""
-    from backends.routing import sweep as sw
-    from backends.routing.policies import DEFAULT_POLICIES
+    from skyrl_cli.routing import sweep as sw
+    from skyrl_cli.routing.policies import DEFAULT_POLICIES
 
     try:
         levels = sw.parse_pressures(pressure or "low,moderate,high")

@@ -42,7 +42,7 @@ def render_tables(rows, console, baseline: str = BASELINE) -> None:
 
 
 def render_live_level(level: dict, console, *, engines: int, repeats: int, calibrate: bool) -> None:
-    """One pressure level of the live benchmark (``backends.routing.live_bench``): medians per policy,
+    """One pressure level of the live benchmark (``skyrl_cli.routing.live_bench``): medians per policy,
     with the simulated figures and each run's fitted step cost under ``calibrate``."""
     from rich.table import Table
 

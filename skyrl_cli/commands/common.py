@@ -21,7 +21,7 @@ Options, as Typer ``Annotated`` types to put in a command's signature::
         plan = build_plan(recipe_obj, "sft", directory, machine=machine)  # the same machine facts
         if dry_run:
             common.print_plan(plan, json_); return
-        RunDir(directory).prepare(recipe_obj, plan, resume=resume, overwrite=overwrite)  # skyrl_cli.rundir
+        RunDir(directory).prepare(recipe_obj, plan, resume=resume, overwrite=overwrite)  # skyrl_contracts.rundir
         sinks = common.output_sinks(common.output_mode(quiet, json_), recipe_obj, directory, title="sft")
         with FollowedRun(directory, sinks) as run:                   # skyrl_cli.metrics.follow
             supervisor.wait_job("trainer", on_tick=run.poll)
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 
 if TYPE_CHECKING:  # pydantic stays out of `skyrl --help`
     from skyrl_cli.plan.machine import MachineFacts
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
 OutputMode = Literal["live", "quiet", "json"]
 
@@ -93,7 +93,7 @@ def recipe_dir(recipe: str) -> Path:
 
 
 def run_dir_for(recipe: Recipe, stage: str, run_dir: Path | None) -> Path:
-    from skyrl_cli.rundir import resolve_run_dir
+    from skyrl_contracts.rundir import resolve_run_dir
 
     return resolve_run_dir(recipe, stage, run_dir)
 
@@ -109,7 +109,7 @@ def output_sinks(mode: OutputMode, recipe: Recipe, run_dir: Path, title: str):
     from skyrl_cli.metrics.live import LiveView
     from skyrl_cli.metrics.sinks import JsonLinesSink, SinkGroup, SummaryPrinter
     from skyrl_cli.metrics.wandb_sink import wandb_sink_for
-    from skyrl_cli.rundir import recipe_json
+    from skyrl_contracts.rundir import recipe_json
 
     sinks = {"live": [LiveView(title), SummaryPrinter()], "quiet": [SummaryPrinter()], "json": [JsonLinesSink()]}[mode]
     wandb = wandb_sink_for(recipe.logging.wandb, f"{recipe.name}-{title}", run_dir, recipe_json(recipe))
@@ -132,11 +132,11 @@ def run_job(
     (``interrupt_hints``: what its message tells the user to run next)."""
     import time
 
-    from skyrl_cli.errors import LaunchError
+    from skyrl_contracts.errors import LaunchError
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor, job_failure
     from skyrl_cli.metrics.follow import FollowedRun
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
     sinks = output_sinks(mode, recipe, directory, title=stage)

@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         shell: Annotated[str, typer.Argument(help="bash, zsh or fish.", metavar="SHELL")],
     ) -> None:
         """Print the completion script for SHELL, e.g. `skyrl completions bash > ~/.local/share/bash-completion/completions/skyrl`."""
-        from skyrl_cli.errors import UsageError
+        from skyrl_contracts.errors import UsageError
 
         if shell not in FILES:
             raise UsageError(f"unknown shell {shell!r}; choose one of {', '.join(FILES)}")

@@ -14,7 +14,7 @@ from skyrl_cli.commands import common
 if TYPE_CHECKING:
     from skyrl_cli.doctor.checks import Check
     from skyrl_cli.plan.machine import MachineFacts
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
 # The recipe the smoke test takes its engine settings from when none is given.
 SMOKE_RECIPE = "quickstart"
@@ -42,7 +42,7 @@ def recipe_checks(recipe: Recipe, machine: MachineFacts, base_dir: Path, quick: 
     from skyrl_cli.doctor import layout, network
     from skyrl_cli.doctor.checks import skipped
     from skyrl_cli.doctor.environment import gpu_memory
-    from skyrl_cli.rundir import RUNS_ROOT
+    from skyrl_contracts.rundir import RUNS_ROOT
 
     fits = layout.check_layout(recipe, machine, base_dir)
     yield from fits
@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
         recipe's layout, its ports, disk space for its checkpoints, that DeepSpeed, vLLM and vllm-router import
         and start, gloo / NCCL and the recipe's hosts. One pass / fail line each, with the fix; exit code 1 when
         any failed."""
-        from skyrl_cli.errors import SkyrlError
+        from skyrl_contracts.errors import SkyrlError
 
         checks = []
         for check in all_checks(recipe, set_, smoke, smoke_timeout, quick):

@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
         tokenizer), events.jsonl, logs/, summary.json; --int4-qat also checkpoints/ and final/
         (the full-precision weights it trained).
         """
-        from skyrl_cli.errors import UsageError
+        from skyrl_contracts.errors import UsageError
         from skyrl_cli.plan.build import build_plan
         from skyrl_cli.plan.machine import detect_machine
         from skyrl_cli.plan.quantize import quantize_source, stage_recipe
@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
 
 
 def run_quantize(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool, method: str) -> dict:
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     extra = {"method": method, "source_model": recipe.model.path, "int4_model": str(RunDir(directory).int4)}
     return common.run_job(recipe, plan, directory, mode, stage="quantize", summary_extra=extra, resume=resume, overwrite=overwrite)

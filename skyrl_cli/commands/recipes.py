@@ -49,7 +49,7 @@ def validate(
     gpus: common.GpusOpt = None,
 ) -> None:
     """Check recipes and report every problem at once as file:line: key.path: message (exit 2)."""
-    from skyrl_cli.errors import RecipeError, UsageError
+    from skyrl_contracts.errors import RecipeError, UsageError
 
     problems: list[str] = []
     for file in files:
@@ -67,7 +67,7 @@ def validate(
 
 def schema() -> None:
     """Print the JSON Schema of a recipe (for editor completion of TOML files)."""
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     typer.echo(json.dumps(Recipe.model_json_schema(by_alias=True), indent=2))
 
@@ -83,7 +83,7 @@ def copy_recipe(name: str, dest: Path, force: bool) -> str:
     """``skyrl recipes cp``: the recipe file, and its own folder (``recipes/<name>/``: data, reward
     code) next to the copy under the same name, so that its relative paths and module names keep
     working. Returns the line to print."""
-    from skyrl_cli.errors import UsageError
+    from skyrl_contracts.errors import UsageError
     from skyrl_cli.recipe.registry import builtin_path
 
     source = builtin_path(name)

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from skyrl_cli.commands import common
-from skyrl_cli.rundir import CHECKPOINT_MODEL, RunDir
+from skyrl_contracts.rundir import CHECKPOINT_MODEL, RunDir
 
 AsyncOpt = Annotated[
     bool, typer.Option("--async", help="Fully-async RL: generation runs ahead of training up to rl.async.max_staleness versions.")
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             common.print_plan(plan, json_)
             return
-        from backends.inference.stack import check_remote_engines  # light: httpx only
+        from skyrl_cli.engines.stack import check_remote_engines  # light: httpx only
 
         check_remote_engines(loaded.inference.urls)  # before the SFT stage, engines or trainer start
         ensure_initial_policy(loaded, mode)
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
 def ensure_initial_policy(recipe, mode) -> None:
     """``init_from = "sft"``: run the recipe's SFT stage first when its output does not exist."""
-    from skyrl_cli.errors import UsageError
+    from skyrl_contracts.errors import UsageError
     from skyrl_cli.plan.rl import init_model_dir
 
     init = init_model_dir(recipe)
@@ -88,7 +88,7 @@ def ensure_initial_policy(recipe, mode) -> None:
 def clear_exchange(run_dir: RunDir) -> None:
     """Batches, stop requests and the LATEST pointer belong to the processes of one launch: a
     resumed learner republishes the policy it restarts from, and nothing stale may be read first."""
-    from skyrl_cli.atomic import remove_leftovers
+    from skyrl_contracts.atomic import remove_leftovers
 
     for folder in (run_dir.batches, run_dir.control):
         shutil.rmtree(folder, ignore_errors=True)
@@ -99,10 +99,10 @@ def clear_exchange(run_dir: RunDir) -> None:
 
 
 def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool) -> dict:
-    from backends.inference.stack import launch_inference  # light: httpx only
+    from skyrl_cli.engines.stack import launch_inference  # light: httpx only
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor
-    from skyrl_cli.metrics.events import EventWriter
+    from skyrl_contracts.events import EventWriter
     from skyrl_cli.metrics.follow import FollowedRun
     run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
     clear_exchange(run_dir)
@@ -146,7 +146,7 @@ def run_setup_jobs(supervisor, plan, progress) -> None:
 def run_jobs(supervisor, plan, stack, run, progress) -> None:
     """Start the orchestrator and the learner and wait for both: the first one to fail (or be
     killed) raises ``LaunchError`` at once, naming it and its log."""
-    from skyrl_cli.errors import LaunchError
+    from skyrl_contracts.errors import LaunchError
 
     def tick() -> None:
         run.poll()
@@ -170,7 +170,7 @@ def publish_final_model(run_dir: RunDir) -> None:
     """``final/``: the newest checkpoint's HF model (the learner checkpoints its last step).
 
     Built next to it and published whole, so a crash here keeps the previous ``final/``."""
-    from skyrl_cli.atomic import publish_dir
+    from skyrl_contracts.atomic import publish_dir
 
     newest = run_dir.latest_checkpoint()
     if newest is None:
@@ -183,7 +183,7 @@ def publish_final_model(run_dir: RunDir) -> None:
 def publish_final_int4(run_dir: RunDir, recipe) -> bool:
     """INT4 rollouts: ``int4/`` (the initial policy's export the engines started from) becomes the
     last version they served, the learner's W4A16 export of its final weights."""
-    from skyrl_cli.atomic import publish_dir
+    from skyrl_contracts.atomic import publish_dir
 
     version = run_dir.latest_weights_version()
     if recipe.quantization is None or not recipe.quantization.int4_rollouts or version is None:
@@ -195,7 +195,7 @@ def publish_final_int4(run_dir: RunDir, recipe) -> bool:
 
 
 def initial_and_final_accuracy(run_dir: RunDir) -> dict:
-    from skyrl_cli.metrics.events import iter_events
+    from skyrl_contracts.events import iter_events
 
     accuracy = [e for e in iter_events(run_dir.events) if e.name == "eval/accuracy"]
     if not accuracy:

@@ -85,7 +85,7 @@ def show(run: Annotated[str, typer.Argument(help="Run directory, or a path under
     from rich.console import Console
 
     from skyrl_cli.metrics.summary import summary_table
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
     from skyrl_cli.runview.catalog import run_info
 
     (path,) = _resolve([run], root)
@@ -102,7 +102,7 @@ def show(run: Annotated[str, typer.Argument(help="Run directory, or a path under
 def _check_metrics(metrics: list[str], paths: list[Path]) -> None:
     import difflib
 
-    from skyrl_cli.errors import UsageError
+    from skyrl_contracts.errors import UsageError
     from skyrl_cli.runview.curves import load_curves
 
     known = sorted({name for path in paths for name in load_curves(path)})
@@ -123,8 +123,8 @@ def compare(
     from rich.console import Console
     from rich.table import Table
 
-    from skyrl_cli.atomic import write_bytes
-    from skyrl_cli.errors import UsageError
+    from skyrl_contracts.atomic import write_bytes
+    from skyrl_contracts.errors import UsageError
     from skyrl_cli.runview.catalog import final_rows
     from skyrl_cli.runview.curves import REPORT_PANELS, metric_panels
     from skyrl_cli.runview.report import figure_png, load_runs, panels_with_data
@@ -152,7 +152,7 @@ def report(
     root: RootOpt = DEFAULT_ROOT,
 ) -> None:
     """Write report.png and a self-contained report.html of one run, or of several compared."""
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
     from skyrl_cli.runview.report import write_report
 
     paths = _resolve(runs, root)

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
 
 def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool, interrupt_hints: dict | None = None) -> dict:
     """The SFT trainer as a job (``common.run_job``); returns the summary."""
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     extra = {"final_model": str(RunDir(directory).final)}
     return common.run_job(

@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
         Point the SDK at it: tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...").
         Writes runs/<name>/tinker/ (or --run-dir): server.json, logs/, storage/ (unless tinker.storage_dir).
         """
-        from skyrl_cli.errors import UsageError
+        from skyrl_contracts.errors import UsageError
         from skyrl_cli.plan.machine import detect_machine
         from skyrl_cli.plan.tinker import plan_tinker
 
@@ -65,12 +65,12 @@ def register(app: typer.Typer) -> None:
 
 
 def serve_plan(recipe, plan, config: dict, directory) -> None:
-    from backends.inference.stack import launch_inference  # light: httpx only
-    from skyrl_cli.atomic import write_json
-    from skyrl_cli.errors import LaunchError
+    from skyrl_cli.engines.stack import launch_inference  # light: httpx only
+    from skyrl_contracts.atomic import write_json
+    from skyrl_contracts.errors import LaunchError
     from skyrl_cli.launch.supervisor import Supervisor, failure_message
     from skyrl_cli.plan.tinker import SERVER_NAME
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     RunDir(directory).prepare(recipe, plan, resume=True)  # storage/ of earlier starts is kept
     write_json(directory / "server.json", config)

@@ -136,7 +136,7 @@ def check_router_starts(timeout_s: float = 20.0) -> Check:
     import httpx
 
     from skyrl_cli.plan.inference import Machine, router_binary
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     binary = router_binary(Machine("cpu"))
     if shutil.which(binary) is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from skyrl_cli.doctor.checks import Check, failed, passed, skipped
 from skyrl_cli.plan.machine import MachineFacts
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 # Measured on the quickstart model (1.07 M parameters, fp32): a checkpoint is 21.4 MB, 20 bytes a
 # parameter (the HF model, 4, plus DeepSpeed's fp32 weights and two Adam moments, 16); final/ and
@@ -101,7 +101,7 @@ def _port_key(recipe: Recipe, process: str, port: int) -> str | None:
 
 def check_ports(recipe: Recipe, machine: MachineFacts, ports: list[tuple[str, int]] | None = None) -> list[Check]:
     """Every ``(process, port)`` of ``ports`` (default: the recipe's plans) is free on this host."""
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     ports = planned_ports(recipe, machine) if ports is None else ports
     taken = [(process, port) for process, port in ports if port_in_use(machine.host, port)]

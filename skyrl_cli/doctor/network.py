@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from skyrl_cli.doctor.checks import Check, failed, passed, run_child
 from skyrl_cli.plan.machine import MachineFacts
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 COLLECTIVE_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 5.0
@@ -36,7 +36,7 @@ print(f"{backend} all-reduce over {world} processes on {device.split(':')[0]}")
 def check_collectives(recipe: Recipe, machine: MachineFacts) -> Check:
     """gloo between two CPU processes, or NCCL across (up to) two GPUs, over this host's loopback."""
     from skyrl_cli.plan.trainer import trainer_device
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     cuda = trainer_device(recipe, machine) == "cuda"
     backend, world = ("nccl", min(2, len(machine.gpus))) if cuda else ("gloo", 2)

@@ -15,31 +15,22 @@ from pathlib import Path
 
 from skyrl_cli.doctor.checks import Check, failed, passed, run_child
 from skyrl_cli.plan.machine import MachineFacts
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 
-BUILD_TINY_MODEL = """
-import sys
-from backends.models.loading import save_hf
-from backends.models.tiny import build_tiny_model
-from backends.models.tokenizer import build_char_tokenizer
-from skyrl_cli.recipe.schema import TinyModelInit
-tokenizer = build_char_tokenizer(sys.argv[2])
-save_hf(build_tiny_model(TinyModelInit.model_validate_json(sys.argv[1]), tokenizer, 0), tokenizer, sys.argv[3])
-print(sys.argv[3])
-"""
-
-
 def _model_dir(recipe: Recipe, base_dir: Path, scratch: Path, timeout_s: float) -> tuple[Path | None, str]:
+    from skyrl_cli.launch.tiny_model import build_tiny_model_dir
     from skyrl_cli.recipe.validate import resolve_path
+    from skyrl_contracts.errors import LaunchError
 
     if recipe.model.init is None:
         return resolve_path(recipe.model.path, base_dir), ""
-    out = scratch / "model"
-    argv = [sys.executable, "-c", BUILD_TINY_MODEL, recipe.model.init.model_dump_json(), ALPHABET, str(out)]
-    built = run_child(argv, timeout_s)
-    return (out, "") if built.ok else (None, f"building the tiny model failed: {built.output}")
+    try:
+        build_tiny_model_dir(recipe.model.init, ALPHABET, scratch / "model", timeout_s)
+    except LaunchError as err:
+        return None, str(err)
+    return scratch / "model", ""
 
 
 def _reloads_full_weights(recipe: Recipe) -> bool:
@@ -59,7 +50,7 @@ def _served_model(recipe: Recipe, model_dir: Path, scratch: Path, timeout_s: flo
 
 def _sync_round_trip(recipe: Recipe, dtype: str, url: str, model_dir: Path, scratch: Path, timeout_s: float) -> tuple[bool, str] | None:
     """(within the bound, what was measured), or None where the RL stage reloads no full weights."""
-    from skyrl_cli.metrics.health import sync_gap_floor
+    from skyrl_contracts.health import sync_gap_floor
 
     if not _reloads_full_weights(recipe):
         return None
@@ -77,9 +68,9 @@ def _sync_round_trip(recipe: Recipe, dtype: str, url: str, model_dir: Path, scra
 def _generate(url: str) -> str:
     import httpx
 
-    from skyrl_cli.plan.inference import ENGINE_MODEL_NAME
+    from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 
-    body = {"model": ENGINE_MODEL_NAME, "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0}
+    body = {"model": SERVED_MODEL_NAME, "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30.0)
     answer.raise_for_status()
     return repr(answer.json()["choices"][0]["text"])
@@ -88,13 +79,13 @@ def _generate(url: str) -> str:
 def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, timeout_s: float) -> Check:
     import httpx
 
-    from skyrl_cli.errors import SkyrlError
+    from skyrl_contracts.errors import SkyrlError
     from skyrl_cli.launch.supervisor import Supervisor, log_tail
     from skyrl_cli.plan.inference import engine_dtype, engine_specs, engine_url
     from skyrl_cli.plan.rl import inference_machine
     from skyrl_cli.plan.trainer import trainer_device
-    from skyrl_cli.ports import find_free_ports
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.ports import find_free_ports
+    from skyrl_contracts.rundir import RunDir
 
     started = time.monotonic()
     one_engine = recipe.model_copy(update={"inference": recipe.inference.model_copy(update={"engines": 1})})

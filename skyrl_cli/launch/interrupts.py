@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from skyrl_cli.errors import RunInterrupted
+from skyrl_contracts.errors import RunInterrupted
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 RESUME_HINT = "resume with --resume"
@@ -149,10 +149,10 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
     run stopped before its follower wrote one (e.g. while the engines were starting)."""
     import json
 
-    from skyrl_cli.atomic import write_json
+    from skyrl_contracts.atomic import write_json
     from skyrl_cli.metrics.summary import write_summary
 
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     path = RunDir(run_dir).summary
     try:
@@ -167,7 +167,7 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
 
 
 def interruption_error(stage: str, run_dir: Path, signum: int, progress: StageProgress, started: float, **hints) -> RunInterrupted:
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     signame = signal_name(signum)
     summary = mark_summary(Path(run_dir), stage, signame, started)

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from skyrl_cli.metrics.events import read_events
+from skyrl_contracts.events import read_events
 from skyrl_cli.metrics.sinks import Sink, SinkGroup
 from skyrl_cli.metrics.summary import write_summary
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.rundir import RunDir
 
 
 class EventFollower:

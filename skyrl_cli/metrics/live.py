@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from skyrl_cli.metrics.events import MetricEvent
-from skyrl_cli.metrics.health import SYNC_GAP, SYNC_GAP_BOUND, sync_gap_message
+from skyrl_contracts.events import MetricEvent
+from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, sync_gap_message
 from skyrl_cli.metrics.sinks import Sink
 
 # (label, metric name, format)
@@ -39,7 +39,7 @@ class MetricBoard:
         self.step = 0
         self.total: int | None = None
         self._explicit_step = False
-        self.notice: str | None = None  # one health line (skyrl_cli.metrics.health), from its first event
+        self.notice: str | None = None  # one health line (skyrl_contracts.health), from its first event
 
     def update(self, events: Sequence[MetricEvent]) -> None:
         for e in events:

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-from skyrl_cli.metrics.events import MetricEvent
+from skyrl_contracts.events import MetricEvent
 
 
 class Sink:

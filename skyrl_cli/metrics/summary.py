@@ -13,10 +13,10 @@ import os
 import time
 from typing import Any, Iterable, Mapping
 
-from skyrl_cli.atomic import write_json
-from skyrl_cli.metrics.events import MetricEvent, iter_events, last_values
-from skyrl_cli.metrics.health import sync_gap_health
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.atomic import write_json
+from skyrl_contracts.events import MetricEvent, iter_events, last_values
+from skyrl_contracts.health import sync_gap_health
+from skyrl_contracts.rundir import RunDir
 
 
 def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:

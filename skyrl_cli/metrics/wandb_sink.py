@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from skyrl_cli.metrics.events import MetricEvent
+from skyrl_contracts.events import MetricEvent
 from skyrl_cli.metrics.sinks import Sink
-from skyrl_cli.recipe.schema import WandbConfig
+from skyrl_contracts.schema import WandbConfig
 
 INIT_TIMEOUT_S = 20.0
 

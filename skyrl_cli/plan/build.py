@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
 from skyrl_cli.plan.feasibility import assert_feasible
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 # (recipe, run_dir, resume, async_mode, machine, recipe_dir) -> plan. ``recipe_dir``: the recipe
 # file's directory, where user code (rl.reward / rl.environment) is imported from first.

@@ -18,13 +18,13 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.inference import VLLM_HEAD_SIZES, VLLM_LORA_RANKS
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.trainer import trainer_device, world_size
 from skyrl_cli.plan.weight_sync import weight_sync_problems
 from skyrl_cli.recipe.locator import dotted
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import Problem, resolve_path
 
 
@@ -225,7 +225,7 @@ def llama_linear_inputs(shape: dict) -> dict[str, int]:
 
 
 def _target_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
-    from skyrl_cli.recipe.schema import FULL_PRECISION_LAYERS
+    from skyrl_contracts.schema import FULL_PRECISION_LAYERS
 
     quant = recipe.quantization
     kept = [t for t in quant.targets if t.split(".")[-1] in FULL_PRECISION_LAYERS]

@@ -7,7 +7,7 @@ Engines
     RL admin routes). On CPU each engine gets one core (``VLLM_CPU_OMP_THREADS_BIND``; by default
     every engine would bind core 0) and a fixed KV-cache size; on GPUs each engine gets
     ``tensor_parallel`` devices through ``CUDA_VISIBLE_DEVICES``. Every engine serves the model
-    under the one name ``policy`` (``ENGINE_MODEL_NAME``) so that clients never need its path.
+    under the one name ``policy`` (``SERVED_MODEL_NAME``) so that clients never need its path.
     Flags every engine gets, and why:
 
     - ``--enable-scale-out``: ``/inference/v1/generate``, token ids in and out, with the weight
@@ -54,9 +54,9 @@ from typing import Literal, Sequence
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.plan.machine import cpu_has_native_bf16
 from skyrl_cli.recipe.lengths import with_model_lengths
-from skyrl_cli.recipe.schema import Recipe, RouterConfig, SpeculativeConfig
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
+from skyrl_contracts.schema import Recipe, RouterConfig, SpeculativeConfig
 
-ENGINE_MODEL_NAME = "policy"
 # Attention head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py);
 # the GPU backends accept all of them too.
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -121,7 +121,7 @@ def engine_argv(
         machine.python, "-m", "backends.inference.serve", str(model_dir),
         "--host", machine.host,
         "--port", str(port),
-        "--served-model-name", ENGINE_MODEL_NAME,
+        "--served-model-name", SERVED_MODEL_NAME,
         "--dtype", engine_dtype(recipe, machine),
         "--max-model-len", str(inf.max_model_len),
         "--max-num-seqs", str(inf.max_num_seqs),

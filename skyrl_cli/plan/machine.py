@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from skyrl_cli.ports import find_free_ports
+from skyrl_contracts.ports import find_free_ports
 
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
-from skyrl_cli.recipe.schema import ModelConfig, Recipe
+from skyrl_contracts.schema import ModelConfig, Recipe
 
 QUANTIZER_NAME = "quantizer"
 PTQ_MODULE = "backends.quant.export"
@@ -27,7 +27,7 @@ QAT_MODULE = "backends.train.sft"
 def quantize_source(recipe: Recipe, runs_root: Path | None = None) -> Path:
     """The model to quantize: this recipe's SFT output for ``init_from = "sft"``, else the path
     given (already absolute: the recipe loader resolved it)."""
-    from skyrl_cli.rundir import RUNS_ROOT, sft_output_dir
+    from skyrl_contracts.rundir import RUNS_ROOT, sft_output_dir
 
     if recipe.quantization is None:
         raise UsageError("the recipe has no [quantization] section")

@@ -1,7 +1,7 @@
 """The RL stage's plan: vLLM engines, vllm-router, the orchestrator and the torchrun learner.
 
 Process order is start order: engines (services, waited ready), the router (service), then the two
-jobs. The orchestrator and the learner meet in the run directory (``backends.exchange``), so the
+jobs. The orchestrator and the learner meet in the run directory (``skyrl_contracts.exchange``), so the
 plan only has to give both the same run directory, the initial policy and the URLs.
 
 Devices. On GPUs the trainer takes ``trainer.gpus`` (default: the first ``trainer.ranks`` GPUs) and
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
 from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 ORCHESTRATOR_NAME = "orchestrator"
 LEARNER_MODULE = "backends.train.rl_learner"
@@ -30,7 +30,7 @@ LEARNER_MODULE = "backends.train.rl_learner"
 def init_model_dir(recipe: Recipe, runs_root: Path | None = None) -> Path:
     """The initial policy: this recipe's SFT output for ``init_from = "sft"``, else the path given
     (already made absolute by the recipe loader)."""
-    from skyrl_cli.rundir import RUNS_ROOT, sft_output_dir
+    from skyrl_contracts.rundir import RUNS_ROOT, sft_output_dir
 
     if recipe.rl.init_from == "sft":
         return sft_output_dir(recipe, runs_root or RUNS_ROOT).resolve()
@@ -68,7 +68,7 @@ def orchestrator_spec(
     return ProcessSpec(name=ORCHESTRATOR_NAME, role="orchestrator", argv=tuple(argv), env=env, kind="job")
 
 
-ENGINE_MODEL_NAME = "engine-model"
+ENGINE_MODEL_JOB = "engine-model"
 UNTIE_MODULE = "backends.models.tied"
 
 
@@ -83,7 +83,7 @@ def engine_model_setup(recipe: Recipe, run_dir: Path, init_from: Path, machine: 
       The job decides at run time, when an SFT stage that runs first has written ``init_from``.
     Both exports write a tied head out, so every version the engines reload carries it."""
     from skyrl_cli.plan.quantize import ptq_spec
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     if recipe.model.lora is not None:
         return (), init_from
@@ -94,7 +94,7 @@ def engine_model_setup(recipe: Recipe, run_dir: Path, init_from: Path, machine: 
     served = RunDir(run_dir).engine_model
     argv = (machine.python, "-m", UNTIE_MODULE, "--src", str(init_from), "--out", str(served))
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    return (ProcessSpec(name=ENGINE_MODEL_NAME, role="setup", argv=argv, env=env, kind="setup"),), served
+    return (ProcessSpec(name=ENGINE_MODEL_JOB, role="setup", argv=argv, env=env, kind="setup"),), served
 
 
 def plan_rl(

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.inference import (
-    ENGINE_MODEL_NAME,
     Machine,
     all_engine_urls,
     engine_specs,
@@ -22,7 +21,8 @@ from skyrl_cli.plan.inference import (
 )
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec, ReadinessCheck
-from skyrl_cli.recipe.schema import LoraConfig, Recipe
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
+from skyrl_contracts.schema import LoraConfig, Recipe
 
 SERVER_NAME = "tinker-server"
 SERVER_READY_TIMEOUT_S = 300.0
@@ -71,7 +71,7 @@ def server_config(recipe: Recipe, run_dir: Path, sample_url: str | None, engine_
         "long_poll_s": t.long_poll_s,
         "sample_url": sample_url,
         "engine_urls": engine_urls,
-        "served_base_name": ENGINE_MODEL_NAME,
+        "served_base_name": SERVED_MODEL_NAME,
     }
 
 

@@ -24,7 +24,7 @@ from typing import Literal, Sequence
 
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import ProcessSpec
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 TRAINER_NAME = "trainer"
 

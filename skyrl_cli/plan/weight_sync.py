@@ -22,7 +22,7 @@ from typing import Literal
 
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.trainer import trainer_device
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import Problem
 
 WeightSync = Literal["nccl", "disk", "lora"]

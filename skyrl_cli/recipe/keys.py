@@ -12,7 +12,7 @@ import typing
 
 from pydantic import BaseModel
 
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 
 def toml_key(model: type[BaseModel], name: str) -> str:

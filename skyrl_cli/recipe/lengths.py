@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import Problem, resolve_path
 
 LENGTH_CAP = 512

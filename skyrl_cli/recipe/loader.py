@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
-from skyrl_cli.errors import RecipeError
+from skyrl_contracts.errors import RecipeError
 from skyrl_cli.recipe.keys import table_model, unknown_key_message
 from skyrl_cli.recipe.lengths import length_problems, with_model_lengths
 from skyrl_cli.recipe.locator import dotted, line_of, locate_keys
 from skyrl_cli.recipe.overrides import Override, apply_overrides, parse_overrides
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import (
     Problem,
     data_problems,

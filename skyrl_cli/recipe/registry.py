@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 
 _HEADER_FIELD = re.compile(r"^#\s*(Hardware|Time|Expected|Commands?)\s*:\s*(.*)$", re.IGNORECASE)
 

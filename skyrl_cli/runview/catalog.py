@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skyrl_cli.errors import UsageError
-from skyrl_cli.metrics.events import MetricEvent, iter_events
-from skyrl_cli.rundir import RUNS_ROOT, RunDir
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.events import MetricEvent, iter_events
+from skyrl_contracts.rundir import RUNS_ROOT, RunDir
 
 # A run without summary.json whose events.jsonl changed this recently is taken to be running: the
 # engines' metrics scraper and the trainers write every few seconds, while a killed run (SIGKILL,

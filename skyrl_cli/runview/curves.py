@@ -11,8 +11,8 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from skyrl_cli.metrics.events import MetricEvent, iter_events
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.events import MetricEvent, iter_events
+from skyrl_contracts.rundir import RunDir
 
 
 @dataclass

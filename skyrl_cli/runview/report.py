@@ -126,7 +126,7 @@ def report_html(runs: list[ReportedRun], images: list[tuple[Panel, bytes]]) -> s
 
 def write_report(paths: list[Path], out_dir: Path, panels: tuple[Panel, ...] = REPORT_PANELS) -> tuple[Path, Path]:
     """``out_dir/report.png`` and ``out_dir/report.html`` of the runs at ``paths``."""
-    from skyrl_cli.atomic import write_bytes, write_text
+    from skyrl_contracts.atomic import write_bytes, write_text
 
     runs = load_runs(paths)
     shown = panels_with_data(panels, runs)

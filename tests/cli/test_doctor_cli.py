@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from skyrl_cli.ports import find_free_ports
+from skyrl_contracts.ports import find_free_ports
 
 from .conftest import REPO
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.errors import RunInterrupted
+from skyrl_contracts.errors import RunInterrupted
 from skyrl_cli.launch.interrupts import Interrupted, interruption_message, reported
 
 from .conftest import REPO

@@ -12,7 +12,7 @@ import pytest
 from skyrl_cli.plan.feasibility import feasibility_problems
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.quantize import stage_recipe
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 from .conftest import REPO
 from .test_recipes_cli import expectations

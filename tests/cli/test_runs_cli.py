@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.metrics.events import EventWriter
+from skyrl_contracts.events import EventWriter
 from skyrl_cli.metrics.summary import write_summary
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.rundir import RunDir
 
 from .conftest import REPO
 
@@ -152,7 +152,7 @@ def test_report_of_a_run_without_events_yet(skyrl, tmp_path):
 
 
 def test_curves_average_a_step_and_name_the_process_of_a_shared_metric(runs_root):
-    from skyrl_cli.metrics.events import MetricEvent
+    from skyrl_contracts.events import MetricEvent
     from skyrl_cli.runview.curves import REPORT_PANELS, curves_of, load_curves, panel_curves
 
     (curve,) = curves_of([MetricEvent(10.0, 1, "inference", "engine/kv_cache_usage", v) for v in (0.2, 0.4)]

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from skyrl_cli.rundir import CHECKPOINT_MODEL, CHECKPOINT_STATE_FILE, RunDir
+from skyrl_contracts.rundir import CHECKPOINT_MODEL, CHECKPOINT_STATE_FILE, RunDir
 from tests.integration.cli_runs import ENV, SKYRL, events
 from tests.integration.conftest import wait_groups_gone
 from tests.integration.test_interrupt import children

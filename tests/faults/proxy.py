@@ -81,7 +81,7 @@ class FaultProxy:
     def __enter__(self) -> "FaultProxy":
         import uvicorn
 
-        from skyrl_cli.ports import find_free_ports
+        from skyrl_contracts.ports import find_free_ports
 
         (port,) = find_free_ports(1)
         config = uvicorn.Config(self, host="127.0.0.1", port=port, log_level="warning", lifespan="off", access_log=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import tomli_w
 
-from skyrl_cli.metrics.events import iter_events
+from skyrl_contracts.events import iter_events
 from tests.integration.cli_runs import run_skyrl
 
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from skyrl_cli.ports import find_free_ports
+from skyrl_contracts.ports import find_free_ports
 from tests.faults.proxy import FaultProxy
 from tests.faults.rl_runs import last_metric, run, tiny_rl_recipe
 from tests.integration.cli_runs import REPO, run_skyrl

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.rundir import RunDir
 from tests.faults.harness import (
     Driver,
     TRACEBACK,

@@ -148,7 +148,7 @@ def test_an_environment_that_never_ends_or_returns_malformed_messages(tmp_path, 
 
 
 def test_the_live_view_shows_the_error_and_retry_counts():
-    from skyrl_cli.metrics.events import MetricEvent
+    from skyrl_contracts.events import MetricEvent
     from skyrl_cli.metrics.live import MetricBoard
 
     board = MetricBoard()

@@ -24,7 +24,7 @@ def run_skyrl(*args, cwd: Path = REPO, check: bool = True, timeout: float = 300)
 
 def events(run_dir: Path, name: str, process: str | None = None) -> list[tuple[int, float]]:
     """``(step, value)`` of every event called ``name`` (from ``process`` if given), in file order."""
-    from skyrl_cli.metrics.events import iter_events
+    from skyrl_contracts.events import iter_events
 
     return [
         (e.step, e.value)

@@ -26,7 +26,7 @@ TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free right now, chosen as the launch plan chooses them."""
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     return find_free_ports(n)
 
@@ -36,7 +36,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(TINY_ALPHABET)
     model = build_tiny_model(TinyModelInit(hidden_size=128, layers=layers, heads=4), tokenizer, seed)
@@ -47,7 +47,7 @@ def inference_recipe(engines: int = 2, policy: str = "sticky_least_loaded", mode
     """A recipe for the inference tests; ``model`` adds keys to ``[model]`` (e.g. ``lora``), with
     the lengths the loader gives a recipe (the clients read ``inference.max_model_len``)."""
     from skyrl_cli.recipe.lengths import with_model_lengths
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     recipe = Recipe.model_validate(
         {
@@ -151,7 +151,7 @@ def hf_greedy(model, prompt, max_new_tokens: int) -> list[int]:
 class LiveInference:
     recipe: object
     supervisor: object
-    stack: object  # backends.inference.stack.InferenceStack
+    stack: object  # skyrl_cli.engines.stack.InferenceStack
     run_dir: Path
     model_dir: Path
 
@@ -228,7 +228,7 @@ def pattern_policy(tmp_path_factory, tiny_model_dir) -> PatternPolicy:
 
 @pytest.fixture(scope="session")
 def engines_and_router(tmp_path_factory, tiny_model_dir):
-    from backends.inference.stack import launch_inference
+    from skyrl_cli.engines.stack import launch_inference
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import all_engine_urls, engine_specs, engine_url, router_spec
 

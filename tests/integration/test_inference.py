@@ -184,7 +184,7 @@ def test_weight_sync_matches_transformers_greedy(engines_and_router, pattern_pol
 
 
 def _running_requests(url: str) -> float:
-    from backends.inference.metrics import parse_prometheus
+    from skyrl_cli.engines.metrics import parse_prometheus
 
     try:
         return parse_prometheus(httpx.get(f"{url}/metrics", timeout=5).text).get("vllm:num_requests_running", 0.0)
@@ -193,7 +193,7 @@ def _running_requests(url: str) -> float:
 
 
 def _router_retries(live) -> float:
-    from backends.inference.metrics import parse_prometheus
+    from skyrl_cli.engines.metrics import parse_prometheus
 
     prometheus_port = live.supervisor.processes["router"].spec.ports[1]
     text = httpx.get(f"http://127.0.0.1:{prometheus_port}/metrics", timeout=5).text
@@ -201,7 +201,7 @@ def _router_retries(live) -> float:
 
 
 def test_sigkill_engine_mid_batch_batch_completes_and_engine_returns(engines_and_router):
-    from backends.inference.router import RouterAdmin
+    from skyrl_cli.engines.router import RouterAdmin
 
     live = engines_and_router
     victim_name, victim_url = live.engine_names[1], live.engine_urls[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.rundir import RunDir
 from tests.integration.cli_runs import ENV, SKYRL, events
 from tests.integration.conftest import wait_groups_gone
 

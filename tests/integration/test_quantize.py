@@ -51,7 +51,7 @@ def exports(tmp_path_factory, tiny_model_dir):
     from backends.models.loading import load_hf, save_hf
     from backends.quant.export import export_rtn
     from backends.quant.fake_quant import prepare_qat
-    from skyrl_cli.recipe.schema import QuantizationConfig
+    from skyrl_contracts.schema import QuantizationConfig
 
     cfg = QuantizationConfig(int4_qat=True, group_size=32)
     root = tmp_path_factory.mktemp("int4")
@@ -113,7 +113,7 @@ def test_skyrl_quantize_ptq_and_qat_under_zero3_from_the_sft_output(tmp_path):
     import torch
 
     from backends.quant.export import export_rtn
-    from skyrl_cli.recipe.schema import QuantizationConfig
+    from skyrl_contracts.schema import QuantizationConfig
     from tests.integration.cli_runs import run_skyrl
     from tests.unit.test_quant import read_export
 

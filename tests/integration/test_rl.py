@@ -85,7 +85,7 @@ def test_async_rl_runs_sft_first_and_respects_the_staleness_bound(workdir):
     assert staleness and max(staleness) <= 1
     # The health check of the pipeline: on a batch sampled from the weights the trainer holds
     # (staleness 0; step 1's always is) engine and trainer logprobs agree to numerics, the bound of
-    # the engines' dtype (skyrl_cli.metrics.health), also after syncs of a tied model. A stale batch
+    # the engines' dtype (skyrl_contracts.health), also after syncs of a tied model. A stale batch
     # differs by the policy's own change over the versions in between (what the off-policy
     # correction is for), and which steps are stale depends on how start-ups and steps interleave.
     on_policy = {step for step, value in events(run, "async/staleness_max", "trainer") if value == 0}

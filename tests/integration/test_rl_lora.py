@@ -40,7 +40,7 @@ def test_adapter_versions_sync_and_match_transformers_peft(tiny_model_dir, tmp_p
     from backends.inference.weight_sync import EngineAdapters, adapter_name, run_blocking
     from backends.models.lora import apply_lora, save_adapter
     from backends.rollout.client import RolloutError
-    from skyrl_cli.recipe.schema import LoraConfig
+    from skyrl_contracts.schema import LoraConfig
 
     lora = LoraConfig(rank=8, target_modules=ALL_LINEAR)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

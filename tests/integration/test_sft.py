@@ -100,7 +100,7 @@ def test_two_rank_dynamic_step_equals_single_process_step(tmp_path):
     from safetensors.torch import load_file
 
     from backends.train.packing import dynamic_layout
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in long_tailed_rows(200)))
@@ -166,7 +166,7 @@ def run_until_checkpoint_then_kill(recipe_path: Path, run_dir: Path, step: int) 
     ``step`` is complete (the trainer is then mid-run)."""
     from skyrl_cli.commands.common import load_for_run
     from skyrl_cli.plan.build import build_plan
-    from skyrl_cli.rundir import RunDir
+    from skyrl_contracts.rundir import RunDir
 
     recipe = load_for_run(str(recipe_path), None, "sft", gpu_count=0)
     plan = build_plan(recipe, "sft", run_dir)

@@ -42,13 +42,13 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def tinker_stack(tmp_path_factory, tiny_model_dir):
-    from backends.inference.stack import launch_inference
-    from skyrl_cli.atomic import write_json
+    from skyrl_cli.engines.stack import launch_inference
+    from skyrl_contracts.atomic import write_json
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.machine import detect_machine
     from skyrl_cli.plan.tinker import SERVER_NAME, plan_tinker
     from skyrl_cli.recipe.lengths import with_model_lengths
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     (port,) = free_ports(1)
     recipe = with_model_lengths(Recipe.model_validate({

@@ -6,7 +6,7 @@ moved policy published as the learner publishes it, and its prompt logprobs of a
 compared with transformers' on those weights (``backends.inference.sync_check``).
 
 Bounds (measured on this kind of machine): fp32 engines agree to ~1e-6 (asserted: 1e-4); bf16
-engines to ~8e-3 max, ~2e-3 mean (asserted: 2e-2 max; ``skyrl_cli.metrics.health`` has the floors an
+engines to ~8e-3 max, ~2e-3 mean (asserted: 2e-2 max; ``skyrl_contracts.health`` has the floors an
 RL step's mean gap is judged by). Before the fix, a tied model's engine kept its first output head across the
 reload: 0.05-0.25 away in fp32.
 
@@ -41,7 +41,7 @@ def build_model(out_dir: Path, arch: str, tied: bool) -> Path:
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(TINY_ALPHABET)
     init = TinyModelInit(arch=arch, hidden_size=64, layers=2, heads=2, intermediate_size=128, tie_embeddings=tied)

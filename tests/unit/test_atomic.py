@@ -1,4 +1,4 @@
-"""skyrl_cli.atomic: files and directories appear whole or not at all, and a failure leaves nothing."""
+"""skyrl_contracts.atomic: files and directories appear whole or not at all, and a failure leaves nothing."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from skyrl_cli import atomic
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts import atomic
+from skyrl_contracts.rundir import RunDir
 
 
 def _tree(path):

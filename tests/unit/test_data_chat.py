@@ -10,7 +10,7 @@ from backends.data.chat import encode_conversation, encode_prompt, split_referen
 from backends.data.files import load_rows
 from backends.data.sft import batch_indices, build_sft_data, load_source
 from backends.models.tokenizer import build_char_tokenizer
-from skyrl_cli.recipe.schema import DataConfig
+from skyrl_contracts.schema import DataConfig
 
 CONV = [
     {"role": "user", "content": "ab"},

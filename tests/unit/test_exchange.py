@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from backends.exchange import RunExchange, StopRequested
+from skyrl_contracts.exchange import RunExchange, StopRequested
 
 
 def test_batch_round_trip_and_wait(tmp_path):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from skyrl_cli.errors import LaunchError
+from skyrl_contracts.errors import LaunchError
 from skyrl_cli.launch.supervisor import Supervisor, failure_message, telling_line
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.errors import LaunchError, UsageError
+from skyrl_contracts.errors import LaunchError, UsageError
 from skyrl_cli.launch.supervisor import Supervisor, exit_description, failure_message, killed_rank
 from skyrl_cli.plan.model import ProcessSpec
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.rundir import RunDir
 
 # torchrun's summary when rank 1 was SIGKILLed (torch 2.13), after rank 0's consequential error.
 TORCHRUN_TAIL = """\
@@ -83,7 +83,7 @@ def test_wait_jobs_returns_once_all_succeed_in_any_order(tmp_path):
 
 
 def test_the_router_is_restarted_when_it_exits(tmp_path):
-    from backends.inference.recovery import EngineRecovery
+    from skyrl_cli.engines.recovery import EngineRecovery
 
     flag = tmp_path / "second-start"
     # The first start exits at once (a killed router); the restart keeps running.
@@ -136,7 +136,7 @@ def test_a_failed_checkpoint_write_leaves_no_partial_directory(tmp_path, monkeyp
 
 
 def test_a_run_directory_through_a_file_is_a_usage_error(tmp_path):
-    from skyrl_cli.recipe.schema import Recipe
+    from skyrl_contracts.schema import Recipe
 
     (tmp_path / "file").write_text("")
     recipe = Recipe.model_validate({"name": "x", "model": {"init": {}}, "data": {"task": "addition"}, "sft": {}})

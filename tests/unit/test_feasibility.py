@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_cli.errors import RecipeError, UsageError
+from skyrl_contracts.errors import RecipeError, UsageError
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.feasibility import assert_feasible, feasibility_problems, load_feasible_recipe
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 NO_CORES = MachineFacts(cpu_cores=())
 CPU2 = MachineFacts(cpu_cores=(0, 1))

@@ -8,8 +8,8 @@ import pytest
 
 from rich.console import Console
 
-from skyrl_cli.metrics.events import MetricEvent
-from skyrl_cli.metrics.health import (
+from skyrl_contracts.events import MetricEvent
+from skyrl_contracts.health import (
     SYNC_GAP,
     SYNC_GAP_BOUND,
     SYNC_GAP_FLOORS,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from backends.inference.metrics import (
+from skyrl_cli.engines.metrics import (
     EngineSnapshot,
     Interval,
     coefficient_of_variation,

@@ -7,14 +7,14 @@ import json
 import pytest
 
 from skyrl_cli.plan.inference import (
-    ENGINE_MODEL_NAME,
     Machine,
     all_engine_urls,
     engine_specs,
     router_spec,
     speculative_config_json,
 )
-from skyrl_cli.recipe.schema import Recipe, SpeculativeConfig
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
+from skyrl_contracts.schema import Recipe, SpeculativeConfig
 
 
 def recipe(**inference) -> Recipe:
@@ -53,7 +53,7 @@ def test_cpu_engines_one_core_each_and_lean_flags():
         # the model runs in the EngineCore process: no third process importing torch and vLLM
         assert flag(s.argv, "--distributed-executor-backend") == "uni" and s.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         assert flag(s.argv, "--logprobs-mode") == "processed_logprobs"
-        assert flag(s.argv, "--served-model-name") == ENGINE_MODEL_NAME
+        assert flag(s.argv, "--served-model-name") == SERVED_MODEL_NAME
         assert flag(s.argv, "--dtype") == "bfloat16"
         assert s.env["VLLM_SERVER_DEV_MODE"] == "1" and s.env["VLLM_CPU_CI_ENV"] == "1"
         assert float(s.env["SKYRL_ENGINE_IDLE_SPIN_S"]) < 0.1  # an idle CPU engine must not spin a core

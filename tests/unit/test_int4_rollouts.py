@@ -12,8 +12,8 @@ from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.feasibility import feasibility_problems
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.weight_sync import nccl_obstacles, select_weight_sync
-from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.schema import Recipe
+from skyrl_contracts.rundir import RunDir
 
 CPU2 = MachineFacts(cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)])
 

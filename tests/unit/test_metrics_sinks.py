@@ -8,13 +8,13 @@ import sys
 
 from rich.console import Console
 
-from skyrl_cli.metrics.events import EventWriter, MetricEvent
+from skyrl_contracts.events import EventWriter, MetricEvent
 from skyrl_cli.metrics.follow import EventFollower, FollowedRun, follow_events
 from skyrl_cli.metrics.live import LiveView, MetricBoard
 from skyrl_cli.metrics.sinks import JsonLinesSink, Sink, SinkGroup, SummaryPrinter
 from skyrl_cli.metrics.summary import summarize, write_summary
 from skyrl_cli.metrics.wandb_sink import WandbSink, wandb_sink_for
-from skyrl_cli.recipe.schema import WandbConfig
+from skyrl_contracts.schema import WandbConfig
 
 
 def event(step, name, value, process="trainer", t=0.0):

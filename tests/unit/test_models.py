@@ -8,7 +8,7 @@ import torch
 from backends.models.loading import load_hf, save_hf
 from backends.models.tiny import build_tiny_model, padded_vocab_size
 from backends.models.tokenizer import build_char_tokenizer
-from skyrl_cli.recipe.schema import LoraConfig, TinyModelInit
+from skyrl_contracts.schema import LoraConfig, TinyModelInit
 
 INIT = TinyModelInit(hidden_size=32, layers=2, heads=4, intermediate_size=64, max_position_embeddings=64)
 

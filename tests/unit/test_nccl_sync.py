@@ -17,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.exchange import RunExchange
+from skyrl_contracts.exchange import RunExchange
 from backends.inference.nccl_sync import NcclEngineWeights, NcclPublisher, _FanOutClient, make_weight_syncer, open_weight_syncer
 from backends.inference.weight_sync import WeightSyncError, read_current_weights
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.rl import plan_rl
 from skyrl_cli.plan.weight_sync import nccl_obstacles, select_weight_sync, weight_sync_problems
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 URLS = ["http://e0:1", "http://e1:1"]
 GPU8 = MachineFacts(cpu_cores=tuple(range(16)), gpus=tuple(range(8)), python="py", torch_extensions_dir="/ext",
@@ -279,7 +279,7 @@ def test_a_group_that_fails_to_form_falls_back_with_one_line(monkeypatch, caplog
     payload, at rank offsets after the sender) and then fails to open its end without CUDA."""
     import torch
 
-    from skyrl_cli.ports import find_free_ports
+    from skyrl_contracts.ports import find_free_ports
 
     monkeypatch.setattr("backends.inference.nccl_sync.nccl_missing", lambda: None)
     engines = Engines()

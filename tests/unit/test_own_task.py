@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from backends.data.files import hold_out, load_rows
-from skyrl_cli.errors import RecipeError
+from skyrl_contracts.errors import RecipeError
 from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.recipe.validate import module_findable
 

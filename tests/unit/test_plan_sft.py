@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.machine import MachineFacts, detect_machine, find_free_ports
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 CPU2 = MachineFacts(cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)])
 GPU4 = MachineFacts(cpu_cores=tuple(range(16)), gpus=(0, 1, 2, 3), python="py", torch_extensions_dir="/ext",
@@ -85,7 +85,7 @@ def test_machine_detection_is_light():
 
 
 def test_free_ports_avoid_the_ephemeral_range(monkeypatch):
-    from skyrl_cli import ports as machine
+    from skyrl_contracts import ports as machine
 
     low = machine.ephemeral_port_floor()
     ports = find_free_ports(5)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from skyrl_cli.recipe.schema import QuantizationConfig, TinyModelInit
+from skyrl_contracts.schema import QuantizationConfig, TinyModelInit
 
 pytest.importorskip("torchao")
 pytest.importorskip("compressed_tensors")

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.errors import RecipeError
+from skyrl_contracts.errors import RecipeError
 from skyrl_cli.plan.inference import Machine, engine_specs
 from skyrl_cli.recipe.lengths import LENGTH_CAP, config_positions, with_model_lengths
 from skyrl_cli.plan.feasibility import load_feasible_recipe
-from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.schema import Recipe
+from skyrl_contracts.rundir import RunDir
 
 CPU2 = Machine(device="cpu", engine_cores=(0, 1), python="py")
 

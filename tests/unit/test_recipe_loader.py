@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.errors import RecipeError
+from skyrl_contracts.errors import RecipeError
 from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.recipe.overrides import parse_override, parse_value
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import NOT_YET_IMPLEMENTED
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"

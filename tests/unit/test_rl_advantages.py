@@ -13,7 +13,7 @@ from backends.train.rl.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from skyrl_cli.recipe.schema import AdvantageConfig
+from skyrl_contracts.schema import AdvantageConfig
 
 # groups: "a" = [1, 0, 0, 1] (mean .5, unbiased std sqrt(1/3)), "b" = [1, 1] (zero variance), "c" = [3] (alone)
 IDS = ["a", "a", "b", "a", "b", "a", "c"]

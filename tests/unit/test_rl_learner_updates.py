@@ -17,7 +17,7 @@ import torch
 from backends.rollout.batch import Sample
 from backends.train.engine import Dist
 from backends.train.rl_learner import Learner
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 VOCAB, PROMPT_LEN, RESPONSE_LEN = 32, 4, 5
 GROUPS, GROUP_SIZE = 8, 4

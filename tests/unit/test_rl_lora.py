@@ -13,7 +13,7 @@ from backends.inference import weight_sync
 from backends.inference.weight_sync import EngineAdapters, adapter_name, adapter_version, read_current_weights, retirable
 from backends.rollout.client import Completion, RolloutClient, WeightSpan, adapter_spans
 from skyrl_cli.plan.inference import Machine, engine_specs, max_loras
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.schema import Recipe
 
 CPU = Machine(device="cpu", engine_cores=(0, 1), python="/venv/bin/python", cpu_bf16=True)
 
@@ -91,7 +91,7 @@ def test_engine_adapters_load_by_name_record_current_and_unload_idle_versions(tm
 
 
 def test_pruning_keeps_the_versions_the_engines_still_hold(tmp_path):
-    from backends.exchange import RunExchange
+    from skyrl_contracts.exchange import RunExchange
 
     exchange = RunExchange(tmp_path)
     for version in range(4):
@@ -108,7 +108,7 @@ def peft_policy():
     from backends.models.lora import apply_lora
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import LoraConfig, TinyModelInit
+    from skyrl_contracts.schema import LoraConfig, TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=")
     model = apply_lora(build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0), LoraConfig(rank=4))
@@ -149,7 +149,7 @@ def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled(peft_polic
     import torch
 
     from backends.models.tiny import build_tiny_model
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     model, tokenizer = peft_policy
     initial = build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0)  # same seed: the base

@@ -14,7 +14,7 @@ from backends.train.rl.losses import (
     policy_loss,
     reduce_loss,
 )
-from skyrl_cli.recipe.schema import PolicyLossConfig
+from skyrl_contracts.schema import PolicyLossConfig
 
 LN = math.log
 

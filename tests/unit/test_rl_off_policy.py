@@ -7,7 +7,7 @@ import torch
 
 from backends.train.rl.losses import LossNormalizer, merge_metrics
 from backends.train.rl.off_policy import logprob_diff_metrics, off_policy_correction
-from skyrl_cli.recipe.schema import OffPolicyConfig
+from skyrl_contracts.schema import OffPolicyConfig
 
 LN = math.log
 

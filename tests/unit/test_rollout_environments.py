@@ -18,8 +18,8 @@ from backends.rollout.environments import (
     run_episode,
 )
 from backends.rollout.rewards import GuardedCaller
-from skyrl_cli.errors import UsageError
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.schema import Recipe
 
 
 class GuessEnv(Environment):

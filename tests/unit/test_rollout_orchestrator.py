@@ -51,10 +51,10 @@ def test_a_failure_anywhere_is_raised_while_the_rest_would_wait_forever(failing_
 
 import threading  # noqa: E402
 
-from backends.exchange import RunExchange  # noqa: E402
+from skyrl_contracts.exchange import RunExchange  # noqa: E402
 from backends.rollout.client import Completion, WeightSpan  # noqa: E402
 from backends.rollout.orchestrator import Orchestrator, load_rows  # noqa: E402
-from skyrl_cli.recipe.schema import Recipe  # noqa: E402
+from skyrl_contracts.schema import Recipe  # noqa: E402
 
 
 class FakeEngines:

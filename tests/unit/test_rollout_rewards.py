@@ -14,7 +14,7 @@ from backends.rollout.rewards import (
     load_reward_fn,
     math_reward,
 )
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 
 
 @pytest.mark.parametrize(
@@ -112,4 +112,4 @@ def test_load_object_errors_are_usage_errors(ref, message):
 
 def test_load_reward_fn_rejects_non_callable():
     with pytest.raises(UsageError, match="not callable"):
-        load_reward_fn("skyrl_cli.recipe.schema:BUILTIN_TASKS")  # a tuple
+        load_reward_fn("skyrl_contracts.schema:BUILTIN_TASKS")  # a tuple

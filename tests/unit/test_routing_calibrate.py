@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from backends.routing.calibrate import CONTEXT_SHAPES, DECODE_SHAPES, PREFILL_SHAPES, features, fit_step_cost, nnls
-from backends.routing.engine_model import StepCost
-from backends.routing.live import kv_capacity_from_log
+from skyrl_cli.routing.calibrate import CONTEXT_SHAPES, DECODE_SHAPES, PREFILL_SHAPES, features, fit_step_cost, nnls
+from skyrl_cli.routing.engine_model import StepCost
+from skyrl_cli.routing.live import kv_capacity_from_log
 
 
 def test_features_match_the_simulators_run_time():

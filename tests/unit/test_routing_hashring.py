@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from backends.routing.hashring import VIRTUAL_NODES_PER_WORKER, ConsistentHashRing, hash64, rendezvous_pick
+from skyrl_cli.routing.hashring import VIRTUAL_NODES_PER_WORKER, ConsistentHashRing, hash64, rendezvous_pick
 
 WORKERS = [f"http://10.0.0.{i}:8000" for i in range(8)]
 KEYS = [f"{instance}_{rep}" for instance in range(1250) for rep in range(8)]  # SkyRL session ids

@@ -1,4 +1,4 @@
-"""The live routing benchmark's loop (backends.routing.live_bench) with a fake cluster and a fake replay:
+"""The live routing benchmark's loop (skyrl_cli.routing.live_bench) with a fake cluster and a fake replay:
 rotation over repeats, medians, the JSON files, calibration, and a failed replay's error."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.routing import calibrate as cal
-from backends.routing import live as lv
-from backends.routing import live_bench as lb
-from backends.routing.engine_model import StepCost
-from skyrl_cli.errors import LaunchError
+from skyrl_cli.routing import calibrate as cal
+from skyrl_cli.routing import live as lv
+from skyrl_cli.routing import live_bench as lb
+from skyrl_cli.routing.engine_model import StepCost
+from skyrl_contracts.errors import LaunchError
 
 ROUTER_POLICY, CLIENT_POLICY = "consistent_hash", "sticky_kv_repin"  # one through vllm-router, one client-side
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from backends.routing.policies import DEFAULT_POLICIES, POLICIES, make_policy
+from skyrl_cli.routing.policies import DEFAULT_POLICIES, POLICIES, make_policy
 
 WORKERS = [f"http://w{i}:8000" for i in range(4)]
 

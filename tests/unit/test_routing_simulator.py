@@ -2,9 +2,9 @@
 
 import pytest
 
-from backends.routing.engine_model import Replica, ReplicaSpec, Request, StepCost
-from backends.routing.simulator import SimConfig, Simulation, simulate
-from backends.routing.workload import WorkloadSpec, sample_group, working_set_per_replica
+from skyrl_cli.routing.engine_model import Replica, ReplicaSpec, Request, StepCost
+from skyrl_cli.routing.simulator import SimConfig, Simulation, simulate
+from skyrl_cli.routing.workload import WorkloadSpec, sample_group, working_set_per_replica
 
 COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4, per_seq_s=1e-3, per_kv_token_s=1e-6)
 

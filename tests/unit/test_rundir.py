@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from skyrl_cli.rundir import CHECKPOINT_STATE_FILE, RunDir
+from skyrl_contracts.rundir import CHECKPOINT_STATE_FILE, RunDir
 
 
 def _checkpoint(run: RunDir, name: str, complete: bool = True) -> None:

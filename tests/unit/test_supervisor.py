@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.errors import LaunchError
+from skyrl_contracts.errors import LaunchError
 from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 

@@ -22,7 +22,7 @@ from backends.models.tied import (
 )
 from backends.models.tiny import build_tiny_model
 from backends.models.tokenizer import build_char_tokenizer
-from skyrl_cli.recipe.schema import TinyModelInit
+from skyrl_contracts.schema import TinyModelInit
 
 ARCHS = ("llama", "qwen2", "qwen3")
 IDS = torch.tensor([[1, 5, 8, 9, 10, 11, 3, 7]])
@@ -142,7 +142,7 @@ def test_nccl_sends_the_tied_head_under_its_own_name(tok):
 
 def test_an_int4_version_for_the_engines_carries_the_head_in_full_precision(tmp_path, tok):
     from backends.quant.export import export_rtn
-    from skyrl_cli.recipe.schema import QuantizationConfig
+    from skyrl_contracts.schema import QuantizationConfig
 
     model = tiny(tok)
     src = save_hf(model, tok, tmp_path / "src")

@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory):
     from backends.models.loading import save_hf
     from backends.models.tiny import build_tiny_model
     from backends.models.tokenizer import build_char_tokenizer
-    from skyrl_cli.recipe.schema import TinyModelInit
+    from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(string.digits + string.ascii_lowercase + " +-*=?.,")
     model = build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2, intermediate_size=64), tokenizer, 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.train.checkpoint import STATE_FILE, remove_leftovers
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.rundir import RunDir
 
 
 def _checkpoint(root, name, complete=True):

@@ -20,7 +20,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from skyrl_cli.recipe.schema import AdvantageConfig
+from skyrl_contracts.schema import AdvantageConfig
 
 
 def group_index(group_ids: Sequence[Hashable]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Iterable, Literal, Mapping
 
 import torch
 
-from skyrl_cli.recipe.schema import PolicyLossConfig
+from skyrl_contracts.schema import PolicyLossConfig
 
 Reduction = Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]
 KlEstimator = Literal["k1", "k2", "k3"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from skyrl_cli.recipe.schema import OffPolicyConfig
+from skyrl_contracts.schema import OffPolicyConfig
 
 from .losses import LossNormalizer, masked_extreme, sequence_share, token_share
 

@@ -15,10 +15,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from backends.routing.engine_model import StepCost
-from backends.routing.policies import DEFAULT_POLICIES, POLICIES
-from backends.routing.simulator import SimConfig, SimResult, simulate
-from backends.routing.workload import WorkloadSpec, working_set_per_replica
+from skyrl_cli.routing.engine_model import StepCost
+from skyrl_cli.routing.policies import DEFAULT_POLICIES, POLICIES
+from skyrl_cli.routing.simulator import SimConfig, SimResult, simulate
+from skyrl_cli.routing.workload import WorkloadSpec, working_set_per_replica
 
 PRESSURE_LEVELS = {"low": 1.5, "moderate": 0.75, "high": 0.5}
 

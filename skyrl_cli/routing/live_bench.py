@@ -1,7 +1,7 @@
 """The live routing benchmark (``skyrl bench routing --live / --calibrate``): the replay loop.
 
 Per KV-pressure level: size the engines' KV cache from the workload's working set, have the caller
-start ``LIVE_ENGINES`` CPU engines (``start_cluster``), then replay ``backends.routing.live``'s
+start ``LIVE_ENGINES`` CPU engines (``start_cluster``), then replay ``skyrl_cli.routing.live``'s
 workload once per policy and repeat (the order rotated each repeat, so that no policy always runs
 first while the machine's load drifts), through vllm-router for the policies it has and
 client-side for ours. With ``calibrate`` the engines' step cost is measured right before each run
@@ -9,8 +9,8 @@ and the simulator, fitted to it, simulates the same run. Every run is appended t
 ``live-runs.jsonl`` as it finishes (kept if a later one fails); each policy is summarised by the
 median of its runs; the report goes to ``live.json`` (``calibration.json`` with ``calibrate``).
 
-Starting and supervising processes is the CLI's job (its launch plan and supervisor), which a
-backend does not import: the caller hands each level's processes over as a ``LiveCluster``.
+The processes of each level come from ``start_cluster`` (``skyrl_cli.routing.cluster`` for the
+command; the unit tests hand in a fake one).
 """
 
 from __future__ import annotations
@@ -22,21 +22,24 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import httpx
 
-from backends.routing import calibrate as cal
-from backends.routing import live as lv
-from backends.routing.policies import make_policy
-from backends.routing.simulator import SimConfig, simulate
-from backends.routing.workload import WorkloadSpec, working_set_per_replica
-from skyrl_cli.atomic import write_json
-from skyrl_cli.errors import LaunchError
-from skyrl_cli.recipe.schema import Recipe
-from skyrl_cli.rundir import RunDir
+from skyrl_cli.routing import calibrate as cal
+from skyrl_cli.routing import live as lv
+from skyrl_cli.routing.policies import make_policy
+from skyrl_cli.routing.simulator import SimConfig, simulate
+from skyrl_cli.routing.workload import WorkloadSpec, working_set_per_replica
+from skyrl_contracts.atomic import write_json
+from skyrl_contracts.errors import LaunchError
+from skyrl_contracts.schema import Recipe
+from skyrl_contracts.rundir import RunDir
 
-# Two tiny-model CPU engines, each on its own core; the workload is backends.routing.live.LIVE_WORKLOAD.
+if TYPE_CHECKING:
+    from skyrl_cli.routing.cluster import SupervisedCluster
+
+# Two tiny-model CPU engines, each on its own core; the workload is skyrl_cli.routing.live.LIVE_WORKLOAD.
 LIVE_ENGINES = 2
 LIVE_MODEL = {"hidden_size": 128, "layers": 2, "heads": 4, "max_position_embeddings": 2048}
 LIVE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=?.,"
@@ -81,23 +84,7 @@ class ClusterRequest:
     recipe: Recipe
 
 
-class LiveCluster(Protocol):
-    """The started, ready engines of one level and the means to put vllm-router in front of them."""
-
-    engine_urls: Sequence[str]
-    router_url: str
-
-    async def start_router(self, policy: str) -> None:
-        """Start vllm-router with ``policy`` in front of the engines (restarting a running one); return once ready."""
-
-    def dead_processes(self) -> list[str]:
-        """Names of the started processes that have exited."""
-
-    def engine_log(self, index: int) -> Path:
-        """The log file of engine ``index``."""
-
-
-StartCluster = Callable[[ClusterRequest], AbstractContextManager[LiveCluster]]
+StartCluster = Callable[[ClusterRequest], AbstractContextManager["SupervisedCluster"]]
 
 
 @dataclass(frozen=True)
@@ -126,16 +113,10 @@ def live_recipe(policy: str, kv_cache_bytes: int, max_model_len: int) -> Recipe:
 
 def build_live_model(model_dir: str | Path) -> list[int]:
     """The tiny random model and its character tokenizer; returns the token ids prompts may use."""
-    from backends.models.tokenizer import build_char_tokenizer
+    from skyrl_cli.launch.tiny_model import build_tiny_model_dir
+    from skyrl_contracts.schema import TinyModelInit
 
-    tokenizer = build_char_tokenizer(LIVE_ALPHABET)
-    if not (Path(model_dir) / "config.json").exists():
-        from backends.models.loading import save_hf
-        from backends.models.tiny import build_tiny_model
-        from skyrl_cli.recipe.schema import TinyModelInit
-
-        save_hf(build_tiny_model(TinyModelInit(**LIVE_MODEL), tokenizer, seed=0), tokenizer, model_dir)
-    return [tokenizer.convert_tokens_to_ids(c) for c in LIVE_ALPHABET]
+    return build_tiny_model_dir(TinyModelInit(**LIVE_MODEL), LIVE_ALPHABET, model_dir)
 
 
 def kv_tokens_for(spec: WorkloadSpec, ratio: float, working_set: float) -> int:
@@ -167,7 +148,7 @@ def append_run(path: Path, record: dict) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-def replay_failure(err: BaseException, cluster: LiveCluster, level_dir: RunDir, runs: Path) -> LaunchError:
+def replay_failure(err: BaseException, cluster: "SupervisedCluster", level_dir: RunDir, runs: Path) -> LaunchError:
     """The error a failed replay ends the benchmark with: which processes exited, where their logs are."""
     dead = cluster.dead_processes()
     return LaunchError(f"live replay failed: {type(err).__name__}: {err}; "
@@ -179,7 +160,7 @@ def replay_failure(err: BaseException, cluster: LiveCluster, level_dir: RunDir, 
 class _LevelReplay:
     """The repeats of every policy on one level's cluster (one asyncio session)."""
 
-    def __init__(self, config: LiveBenchConfig, cluster: LiveCluster, capacity: int, token_pool: Sequence[int],
+    def __init__(self, config: LiveBenchConfig, cluster: "SupervisedCluster", capacity: int, token_pool: Sequence[int],
                  label: str, runs_path: Path, say: Callable[[str], None]):
         self.config = config
         self.cluster = cluster

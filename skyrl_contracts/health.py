@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from skyrl_cli.metrics.events import MetricEvent
+from skyrl_contracts.events import MetricEvent
 
 SYNC_GAP = "health/sync_gap"  # a step's mean on-policy gap, logged only when flagged
 SYNC_GAP_BOUND = "health/sync_gap_bound"  # the run's numerics floor at start; a flagged step's threshold

@@ -31,10 +31,10 @@ from typing import Sequence
 import httpx
 import numpy as np
 
-from backends.inference.metrics import EngineSnapshot, Interval, coefficient_of_variation, parse_prometheus
-from backends.rollout.client import DEFAULT_MODEL, GENERATE_PATH
-from backends.routing.policies import RoutingPolicy
-from backends.routing.workload import GroupScheduler, Trajectory, WorkloadSpec, sample_group
+from skyrl_cli.engines.metrics import EngineSnapshot, Interval, coefficient_of_variation, parse_prometheus
+from skyrl_contracts.engine_api import GENERATE_PATH, SERVED_MODEL_NAME
+from skyrl_cli.routing.policies import RoutingPolicy
+from skyrl_cli.routing.workload import GroupScheduler, Trajectory, WorkloadSpec, sample_group
 
 # A workload 2 CPU engines with a tiny model get through in well under a minute per policy: 16
 # trajectories in flight, ~8 turns, contexts up to 1k tokens, short environment steps.
@@ -292,7 +292,7 @@ class _Replay:
 
 async def replay(spec: WorkloadSpec, seed: int, policy: str, target, engine_urls: Sequence[str],
                  token_pool: Sequence[int], http: httpx.AsyncClient, *, sample_interval_s: float = 0.25,
-                 model: str = DEFAULT_MODEL) -> LiveResult:
+                 model: str = SERVED_MODEL_NAME) -> LiveResult:
     """Run the workload once through ``target`` and measure it (engines should be idle and cold)."""
     spec.validate()
     return await _Replay(spec, seed, target, engine_urls, token_pool, http, sample_interval_s, model).run(policy)

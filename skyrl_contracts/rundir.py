@@ -5,7 +5,7 @@ Layout (the machine-readable contract of a run, documented in README.md)::
     recipe.resolved.json          the validated recipe (aliases as TOML keys, absolute paths)
     plan.json                     the LaunchPlan
     logs/<process>.log            stdout+stderr of each process
-    events.jsonl                  MetricEvents (skyrl_cli.metrics.events)
+    events.jsonl                  MetricEvents (skyrl_contracts.events)
     summary.json                  final figures (skyrl_cli.metrics.summary)
     sample_errors.jsonl           RL: one record per sample whose reward or environment failed (reward 0)
     checkpoints/step-<n>/         complete once trainer_state.json is in it (backends.train.checkpoint)
@@ -27,7 +27,7 @@ Layout (the machine-readable contract of a run, documented in README.md)::
 
 Every process of a run (the CLI driver and the launched backends) reaches these paths only through
 ``RunDir``: a new file of the contract is added here, once. Every JSON file is written atomically
-(``skyrl_cli.atomic``: temporary file, fsync, rename), so a reader never sees half of one;
+(``skyrl_contracts.atomic``: temporary file, fsync, rename), so a reader never sees half of one;
 directories (checkpoints, final/, weight versions) are published whole the same way.
 
 Light (pydantic and the standard library), so the CLI and every backend can import it.
@@ -45,9 +45,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from skyrl_cli.atomic import write_json
-from skyrl_cli.errors import UsageError
-from skyrl_cli.recipe.schema import Recipe
+from skyrl_contracts.atomic import write_json
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.schema import Recipe
 
 RUNS_ROOT = Path("runs")
 # A checkpoint directory is complete once its trainer state is in it: the trainer writes it last
@@ -120,7 +120,7 @@ class RunDir:
 
     @property
     def final_tmp(self) -> Path:
-        """Where ``final/`` is built before it is published whole (``skyrl_cli.atomic.publish_dir``)."""
+        """Where ``final/`` is built before it is published whole (``skyrl_contracts.atomic.publish_dir``)."""
         return self.root / ".tmp-final"
 
     @property

@@ -25,9 +25,9 @@ from typing import Sequence
 import httpx
 import numpy as np
 
-from backends.rollout.client import DEFAULT_MODEL, GENERATE_PATH
-from backends.routing.engine_model import StepCost
-from backends.routing.live import post
+from skyrl_contracts.engine_api import GENERATE_PATH, SERVED_MODEL_NAME
+from skyrl_cli.routing.engine_model import StepCost
+from skyrl_cli.routing.live import post
 
 # (concurrent requests m, prompt tokens P, generated tokens D)
 DECODE_SHAPES = [(1, 16, 32), (4, 16, 32), (8, 16, 32), (16, 16, 32)]
@@ -102,7 +102,7 @@ async def _closed_loop_latency(http: httpx.AsyncClient, url: str, shape: tuple[i
 
 
 async def measure_engines(http: httpx.AsyncClient, engine_urls: Sequence[str], token_pool: Sequence[int],
-                          seed: int = 0, model: str = DEFAULT_MODEL, window_s: float = WINDOW_S) -> FittedCost:
+                          seed: int = 0, model: str = SERVED_MODEL_NAME, window_s: float = WINDOW_S) -> FittedCost:
     """Measure every shape on all engines at once (random prompts: no prefix-cache hits) and fit.
 
     On a shared machine the cost drifts with what else runs, so callers measure right before the

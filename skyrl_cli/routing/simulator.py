@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from backends.routing.engine_model import Replica, ReplicaSpec, Request, StepCost
-from backends.routing.policies import make_policy
-from backends.routing.workload import GroupScheduler, Trajectory, WorkloadSpec, sample_group
+from skyrl_cli.routing.engine_model import Replica, ReplicaSpec, Request, StepCost
+from skyrl_cli.routing.policies import make_policy
+from skyrl_cli.routing.workload import GroupScheduler, Trajectory, WorkloadSpec, sample_group
 
 _RUN_END, _ARRIVAL, _TRAINER_DONE, _SAMPLE = 0, 1, 2, 3
 

@@ -2,7 +2,7 @@
 
 Each engine's Prometheus ``/metrics`` is parsed (``prometheus_client``'s parser) into an
 ``EngineSnapshot`` of the gauges and counters we show; two snapshots some seconds apart give rates
-and interval ratios. Events (the names of ``skyrl_cli.metrics.events``):
+and interval ratios. Events (the names of ``skyrl_contracts.events``):
 
     engine/kv_cache_usage         mean KV-cache use over engines (0..1)
     engine/running, engine/waiting  requests, summed over engines
@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 import httpx
 
-from skyrl_cli.metrics.events import EventWriter
+from skyrl_contracts.events import EventWriter
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,10 @@ from typing import Callable, Mapping, Sequence
 
 import httpx
 
-from backends.inference.router import RouterAdmin
+from skyrl_cli.engines.router import RouterAdmin
+from skyrl_cli.launch.supervisor import Supervisor
 from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
-from skyrl_cli.metrics.events import EventWriter
+from skyrl_contracts.events import EventWriter
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 class EngineRecovery:
     def __init__(
         self,
-        supervisor,
+        supervisor: Supervisor,
         engines: Mapping[str, str],
         router_url: str,
         run_dir: str | os.PathLike,

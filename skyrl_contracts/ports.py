@@ -12,7 +12,7 @@ import resource
 import socket
 from pathlib import Path
 
-from skyrl_cli.errors import UsageError
+from skyrl_contracts.errors import UsageError
 
 PORT_FLOOR = 10000
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"

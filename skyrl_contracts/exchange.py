@@ -11,7 +11,7 @@ Works the same on one machine and on a shared file system across nodes:
   ``control/transfer-v<k>.ready``, the learner broadcasts and writes ``control/transfer-v<k>.done``
   (``{"seconds": s}`` or ``{"error": why}``), the orchestrator labels the version and resumes.
 
-Every file or directory appears complete or not at all (``skyrl_cli.atomic``: written under a
+Every file or directory appears complete or not at all (``skyrl_contracts.atomic``: written under a
 ``.tmp-`` name in the same directory, fsynced and renamed into place).
 """
 
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from skyrl_cli.atomic import atomic_dir, write_json, write_text
-from skyrl_cli.rundir import RunDir
+from skyrl_contracts.atomic import atomic_dir, write_json, write_text
+from skyrl_contracts.rundir import RunDir
 
 
 class StopRequested(Exception):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from backends.routing.hashring import ConsistentHashRing, rendezvous_pick
+from skyrl_cli.routing.hashring import ConsistentHashRing, rendezvous_pick
 
 
 class RoutingPolicy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from backends.routing.sweep import SweepRow
+from skyrl_cli.routing.sweep import SweepRow
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: str | Path, title: str = "") -> Path:

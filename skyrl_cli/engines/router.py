@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from skyrl_cli.errors import SkyrlError
+from skyrl_contracts.errors import SkyrlError
 
 
 class RouterAdmin:

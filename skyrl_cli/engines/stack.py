@@ -2,8 +2,7 @@
 recovery loop and the metrics scraper.
 
 The caller passes the ProcessSpecs built by ``skyrl_cli.plan.inference`` (``engine_specs``,
-``router_spec``) and a ``skyrl_cli.launch.supervisor.Supervisor`` (duck-typed: backends do not
-import the launch layer)::
+``router_spec``) and the run's ``skyrl_cli.launch.supervisor.Supervisor``::
 
     with Supervisor(run_dir) as sup:
         stack = launch_inference(sup, engines, router, engine_urls, router_url, run_dir, writer=writer)
@@ -23,10 +22,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from backends.inference.metrics import MetricsScraper
-from backends.inference.recovery import EngineRecovery
+from skyrl_cli.engines.metrics import MetricsScraper
+from skyrl_cli.launch.supervisor import Supervisor
+from skyrl_cli.plan.model import ProcessSpec
+from skyrl_cli.engines.recovery import EngineRecovery
 from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
-from skyrl_cli.metrics.events import EventWriter
+from skyrl_contracts.events import EventWriter
 
 
 @dataclass
@@ -51,7 +52,7 @@ def check_remote_engines(urls: Sequence[str], timeout_s: float = 5.0) -> None:
     its worker start-up timeout and the run failing later with a less direct message."""
     import httpx
 
-    from skyrl_cli.errors import LaunchError
+    from skyrl_contracts.errors import LaunchError
 
     for url in urls:
         try:
@@ -67,9 +68,9 @@ def check_remote_engines(urls: Sequence[str], timeout_s: float = 5.0) -> None:
 
 
 def launch_inference(
-    supervisor,
-    engine_specs: Sequence,
-    router_spec,
+    supervisor: Supervisor,
+    engine_specs: Sequence[ProcessSpec],
+    router_spec: ProcessSpec,
     engine_urls: Sequence[str],
     router_url: str,
     run_dir: str | os.PathLike,
@@ -78,7 +79,7 @@ def launch_inference(
     step_fn: Callable[[], int] = lambda: 0,
     recover: bool = True,
     metrics_period_s: float | None = 5.0,
-    early_jobs: Sequence = (),
+    early_jobs: Sequence[ProcessSpec] = (),
 ) -> InferenceStack:
     """``engine_urls``: one per engine spec (same order), then any remote engines. ``early_jobs``
     (ProcessSpecs) start right after the engines, before they are ready; one that fails meanwhile
