@@ -53,7 +53,9 @@ def build_model(out: Path) -> Path:
     from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(get_task("addition").alphabet)
-    model = build_tiny_model(TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512), tokenizer, seed=0)
+    model = build_tiny_model(
+        TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512), tokenizer, seed=0
+    )
     return save_hf(model, tokenizer, out)
 
 
@@ -108,8 +110,12 @@ def run_once(model_dir: Path, root: Path, args, async_mode: bool) -> dict:
     (router,) = [p for p in plan.processes if p.role == "router"]
     marks: dict = {}
     with Supervisor(run_dir) as sup:
-        launch_inference(sup, engines, router, plan.engine_urls, plan.router_url, run_dir, recover=False, metrics_period_s=None)
-        learner = threading.Thread(target=simulated_learner, args=(run_dir, model_dir, args.steps, args.train_s, marks), daemon=True)
+        launch_inference(
+            sup, engines, router, plan.engine_urls, plan.router_url, run_dir, recover=False, metrics_period_s=None
+        )
+        learner = threading.Thread(
+            target=simulated_learner, args=(run_dir, model_dir, args.steps, args.train_s, marks), daemon=True
+        )
         learner.start()
         sup.start(orchestrator)
         code = sup.wait_job(orchestrator.name, tick_s=0.1)
@@ -143,7 +149,9 @@ def main(argv=None) -> None:
         t_gen = statistics.median(t_gens)
         ideal = (t_gen + args.train_s) / max(t_gen, args.train_s) if t_gen > 0 else float("nan")
         print(f"T_gen {t_gen:.2f} s, T_train {args.train_s:.2f} s; ideal (T_gen + T_train) / max = {ideal:.2f}")
-        print(f"async/sync trajectories/s (median of {args.reps}): {statistics.median(ratios):.2f}  (ideal {ideal:.2f})")
+        print(
+            f"async/sync trajectories/s (median of {args.reps}): {statistics.median(ratios):.2f}  (ideal {ideal:.2f})"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

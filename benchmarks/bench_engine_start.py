@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO))
 
 from skyrl_cli.launch.supervisor import Supervisor  # noqa: E402
 from skyrl_cli.plan.inference import Machine, engine_specs, engine_url  # noqa: E402
-from skyrl_contracts.ports import find_free_ports  # noqa: E402
 from skyrl_cli.recipe.lengths import with_model_lengths  # noqa: E402
+from skyrl_contracts.ports import find_free_ports  # noqa: E402
 from skyrl_contracts.schema import Recipe  # noqa: E402
 
 MODES = ("uni", "mp")
@@ -88,15 +88,22 @@ def main() -> None:
         for mode in MODES:
             r = one_start(model, mode, work)
             results[mode].append(r)
-            print(f"rep {rep} {mode}: ready {r['ready_s']:.1f} s, {r['processes']} processes, "
-                  f"256 x 8 tokens in {r['generate_s']:.3f} s", flush=True)  # fmt: skip
+            print(
+                f"rep {rep} {mode}: ready {r['ready_s']:.1f} s, {r['processes']} processes, "
+                f"256 x 8 tokens in {r['generate_s']:.3f} s",
+                flush=True,
+            )
     med = {m: {k: statistics.median(r[k] for r in results[m]) for k in ("ready_s", "generate_s")} for m in MODES}
     for mode in MODES:
         ready = [r["ready_s"] for r in results[mode]]
-        print(f"{mode}: ready median {med[mode]['ready_s']:.1f} s ({min(ready):.1f}-{max(ready):.1f}), "
-              f"generation median {med[mode]['generate_s']:.3f} s")  # fmt: skip
-    print(f"uni / mp: start-up {med['uni']['ready_s'] / med['mp']['ready_s']:.2f}x, "
-          f"generation time {med['uni']['generate_s'] / med['mp']['generate_s']:.2f}x (below 1: uni faster)")
+        print(
+            f"{mode}: ready median {med[mode]['ready_s']:.1f} s ({min(ready):.1f}-{max(ready):.1f}), "
+            f"generation median {med[mode]['generate_s']:.3f} s"
+        )
+    print(
+        f"uni / mp: start-up {med['uni']['ready_s'] / med['mp']['ready_s']:.2f}x, "
+        f"generation time {med['uni']['generate_s'] / med['mp']['generate_s']:.2f}x (below 1: uni faster)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,17 @@ BASE_SETS = ["data.flawed_demos=0"]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for every stage")
-    p.add_argument("--qat-set", dest="qat_sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for --int4-qat")
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for every stage"
+    )
+    p.add_argument(
+        "--qat-set",
+        dest="qat_sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra --set for --int4-qat",
+    )
     p.add_argument("--out", type=Path, default=None, help="where the run directories go (default: a temporary folder)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args(argv)
@@ -115,9 +124,12 @@ def one_seed(seed: int, args, out: Path) -> dict:
     size = {name: weights_bytes(d) / weights_bytes(dirs["full"]) for name, d in dirs.items()}
     lost = acc["full"] - acc["ptq"]
     recovery = (acc["qat"] - acc["ptq"]) / lost if lost > 0 else float("nan")
-    print(f"seed {seed}: held-out accuracy (vLLM, {len(data.eval_items)} prompts) full {acc['full']:.3f}  "
-          f"PTQ {acc['ptq']:.3f}  QAT {acc['qat']:.3f}  recovery {recovery:.2f}  size PTQ {size['ptq']:.3f}x "
-          f"QAT {size['qat']:.3f}x", flush=True)  # fmt: skip
+    print(
+        f"seed {seed}: held-out accuracy (vLLM, {len(data.eval_items)} prompts) full {acc['full']:.3f}  "
+        f"PTQ {acc['ptq']:.3f}  QAT {acc['qat']:.3f}  recovery {recovery:.2f}  size PTQ {size['ptq']:.3f}x "
+        f"QAT {size['qat']:.3f}x",
+        flush=True,
+    )
     return {"seed": seed, "accuracy": acc, "size_ratio": size, "recovery": recovery}
 
 
@@ -139,7 +151,9 @@ def main(argv=None) -> None:
     results = run_seeds(one_seed, args, "bench-int4-")
     recoveries = [r["recovery"] for r in results]
     print(f"size ratio INT4 export / full precision: {statistics.median(r['size_ratio']['qat'] for r in results):.3f}x")
-    print(f"median recovery (QAT - PTQ) / (full - PTQ) over {len(results)} seed(s): {statistics.median(recoveries):.2f}")
+    print(
+        f"median recovery (QAT - PTQ) / (full - PTQ) over {len(results)} seed(s): {statistics.median(recoveries):.2f}"
+    )
 
 
 if __name__ == "__main__":

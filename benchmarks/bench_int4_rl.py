@@ -37,7 +37,9 @@ VARIANTS = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for every stage")
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for every stage"
+    )
     p.add_argument("--out", type=Path, default=None, help="where the run directories go (default: a temporary folder)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args(argv)
@@ -67,8 +69,11 @@ def one_seed(seed: int, args, out: Path) -> dict:
             "wall_s": summary.get("wall_s"),
         }
         r = runs[name]
-        print(f"seed {seed} {name:22s} held-out accuracy {r['accuracy_initial']:.3f} -> {r['accuracy_final']:.3f}  "
-              f"mean logprob diff {r['logprob_diff_mean']:.4f}  {r['wall_s']:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"seed {seed} {name:22s} held-out accuracy {r['accuracy_initial']:.3f} -> {r['accuracy_final']:.3f}  "
+            f"mean logprob diff {r['logprob_diff_mean']:.4f}  {r['wall_s']:.0f} s",
+            flush=True,
+        )
     return {"seed": seed, "runs": runs}
 
 
@@ -78,10 +83,14 @@ def main(argv=None) -> None:
     for name in VARIANTS:
         finals = [r["runs"][name]["accuracy_final"] for r in results]
         gaps = [r["runs"][name]["logprob_diff_mean"] for r in results]
-        print(f"{name:22s} final accuracy {min(finals):.3f}-{max(finals):.3f}  mean logprob diff "
-              f"{min(gaps):.4f}-{max(gaps):.4f} over {len(results)} seed(s)")  # fmt: skip
-    ratios = [r["runs"]["INT4, fake-quant on"]["logprob_diff_mean"] / r["runs"]["INT4, fake-quant off"]["logprob_diff_mean"]
-              for r in results]  # fmt: skip
+        print(
+            f"{name:22s} final accuracy {min(finals):.3f}-{max(finals):.3f}  mean logprob diff "
+            f"{min(gaps):.4f}-{max(gaps):.4f} over {len(results)} seed(s)"
+        )
+    ratios = [
+        r["runs"]["INT4, fake-quant on"]["logprob_diff_mean"] / r["runs"]["INT4, fake-quant off"]["logprob_diff_mean"]
+        for r in results
+    ]
     print(f"logprob gap with INT4 rollouts, fake-quant on / off: {statistics.median(ratios):.2f}x (median over seeds)")
 
 

@@ -41,7 +41,9 @@ def build_model(out: Path, hidden: int, layers: int):
 
     tokenizer = build_char_tokenizer("0123456789+=")
     heads = max(1, hidden // 32)  # head size 32: one vLLM serves
-    model = build_tiny_model(TinyModelInit(hidden_size=hidden, layers=layers, heads=heads, intermediate_size=4 * hidden), tokenizer, 0)
+    model = build_tiny_model(
+        TinyModelInit(hidden_size=hidden, layers=layers, heads=heads, intermediate_size=4 * hidden), tokenizer, 0
+    )
     save_hf(model, tokenizer, out)
     return model, tokenizer
 
@@ -92,8 +94,8 @@ def main() -> None:
     from backends.models.lora import apply_lora
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import Machine, engine_specs, engine_url
-    from skyrl_contracts.ports import find_free_ports
     from skyrl_cli.recipe.lengths import with_model_lengths
+    from skyrl_contracts.ports import find_free_ports
     from skyrl_contracts.schema import LoraConfig, Recipe
 
     work = Path(tempfile.mkdtemp(prefix="bench-lora-sync-"))
@@ -102,16 +104,25 @@ def main() -> None:
     peft_model = apply_lora(build_model(work / "unused", args.hidden, args.layers)[0], lora)
     n_full = sum(p.numel() for p in full_model.parameters())
     n_lora = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    recipe = with_model_lengths(Recipe.model_validate({
-        "name": "bench", "model": {"path": str(work / "base"), "lora": lora.model_dump()},
-        "data": {"task": "addition"}, "rl": {}, "inference": {"engines": 1},
-    }))  # fmt: skip
+    recipe = with_model_lengths(
+        Recipe.model_validate(
+            {
+                "name": "bench",
+                "model": {"path": str(work / "base"), "lora": lora.model_dump()},
+                "data": {"task": "addition"},
+                "rl": {},
+                "inference": {"engines": 1},
+            }
+        )
+    )
     cores = tuple(sorted(os.sched_getaffinity(0)))
     machine = Machine(device="cpu", engine_cores=cores)
     (port,) = find_free_ports(1)
     (spec,) = engine_specs(recipe, machine, [port], str(work / "base"))
-    print(f"model: Llama hidden {args.hidden}, {args.layers} layers, {n_full:,} parameters; LoRA rank {args.rank} on "
-          f"all linear layers, {n_lora:,} parameters ({n_lora / n_full:.1%}); 1 engine, {len(cores)} cores, {spec.env.get('VLLM_CPU_OMP_THREADS_BIND')} bound")  # fmt: skip
+    print(
+        f"model: Llama hidden {args.hidden}, {args.layers} layers, {n_full:,} parameters; LoRA rank {args.rank} on "
+        f"all linear layers, {n_lora:,} parameters ({n_lora / n_full:.1%}); 1 engine, {len(cores)} cores, {spec.env.get('VLLM_CPU_OMP_THREADS_BIND')} bound"
+    )
     with Supervisor(work / "run") as sup:
         sup.start(spec)
         sup.wait_ready([spec.name])
@@ -127,8 +138,10 @@ def main() -> None:
             lora_total, lora_only = adapter_sync(engines, peft_model, work, rep)
             ratios.append(lora_total / full_total)
             sync_ratios.append(lora_only / full_only)
-            print(f"  rep {rep}: full weights {full_total * 1e3:7.1f} ms (engine {full_only * 1e3:6.1f})  "
-                  f"adapter {lora_total * 1e3:7.1f} ms (engine {lora_only * 1e3:6.1f})  ratio {ratios[-1]:.2f}")  # fmt: skip
+            print(
+                f"  rep {rep}: full weights {full_total * 1e3:7.1f} ms (engine {full_only * 1e3:6.1f})  "
+                f"adapter {lora_total * 1e3:7.1f} ms (engine {lora_only * 1e3:6.1f})  ratio {ratios[-1]:.2f}"
+            )
     print(f"median engine-only ratio adapter / full-weight sync: {statistics.median(sync_ratios):.2f}x")
     print(f"median sync time ratio (write + engine load) adapter / full weights: {statistics.median(ratios):.2f}x")
 

@@ -84,7 +84,9 @@ def worker(args) -> None:
     tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz")
     init = TinyModelInit(hidden_size=128, layers=4, heads=4, intermediate_size=512, max_position_embeddings=512)
     model = build_tiny_model(init, tokenizer, seed=0)
-    engine, _ = make_engine(model, lr=1e-4, weight_decay=0.0, lr_lambda=lambda s: 1.0, zero_stage=2, grad_clip=1.0, bf16=False)
+    engine, _ = make_engine(
+        model, lr=1e-4, weight_decay=0.0, lr_lambda=lambda s: 1.0, zero_stage=2, grad_clip=1.0, bf16=False
+    )
     pad = tokenizer.pad_token_id
 
     def layout_for(mode, lengths):
@@ -127,17 +129,23 @@ def worker(args) -> None:
 def report(args, results) -> None:
     fixed = [r[0] for r in results["fixed"]]
     print()
-    print(f"long-tailed lengths (log-normal, 16..512 tokens), global batch {args.batch_size}, {args.ranks} ranks ZeRO-2, "
-          f"fixed micro_batch_size {args.micro_batch_size}, dynamic max_tokens {args.max_tokens}")  # fmt: skip
+    print(
+        f"long-tailed lengths (log-normal, 16..512 tokens), global batch {args.batch_size}, {args.ranks} ranks ZeRO-2, "
+        f"fixed micro_batch_size {args.micro_batch_size}, dynamic max_tokens {args.max_tokens}"
+    )
     print(f"{'mode':<22}{'tokens/s (median)':>20}{'packing eff.':>14}{'micro-batches/step':>20}{'ratio vs fixed':>16}")
     for mode in MODES:
         tps = [r[0] for r in results[mode]]
         ratios = [a / b for a, b in zip(tps, fixed)]
-        print(f"{mode:<22}{statistics.median(tps):>20,.0f}{results[mode][0][1]:>14.1%}"
-              f"{results[mode][0][2]:>20.1f}{statistics.median(ratios):>15.2f}x")  # fmt: skip
+        print(
+            f"{mode:<22}{statistics.median(tps):>20,.0f}{results[mode][0][1]:>14.1%}"
+            f"{results[mode][0][2]:>20.1f}{statistics.median(ratios):>15.2f}x"
+        )
     ratios = [a / b for a, b in zip([r[0] for r in results["dynamic"]], fixed)]
-    print(f"\ndynamic / fixed tokens/s: median {statistics.median(ratios):.2f}x over {len(ratios)} repetitions "
-          f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")  # fmt: skip
+    print(
+        f"\ndynamic / fixed tokens/s: median {statistics.median(ratios):.2f}x over {len(ratios)} repetitions "
+        f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)"
+    )
 
 
 def main(argv=None) -> int:
@@ -153,8 +161,17 @@ def main(argv=None) -> int:
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
         "PYTHONPATH": str(REPO),
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-           __file__, "--worker", *(argv if argv is not None else sys.argv[1:])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.ranks),
+        __file__,
+        "--worker",
+        *(argv if argv is not None else sys.argv[1:]),
+    ]
     return subprocess.call(cmd, env=env, cwd=REPO)
 
 

@@ -49,7 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--lengths", choices=("fixed", "uniform"), default="fixed")
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2])
     p.add_argument(
-        "--grouped", action="store_true", help="one request with n=samples per prompt (default: one session per trajectory)"
+        "--grouped",
+        action="store_true",
+        help="one request with n=samples per prompt (default: one session per trajectory)",
     )
     return p.parse_args(argv)
 
@@ -100,7 +102,9 @@ def transformers_tokens_per_s(model, prompts, samples: int, lengths: list[int]) 
     return sum(lengths) / seconds  # a sequence's tokens after its own end are padding
 
 
-async def engine_rollout(router_url: str, prompts, samples: int, lengths: list[int], rep: int, grouped: bool = False) -> float:
+async def engine_rollout(
+    router_url: str, prompts, samples: int, lengths: list[int], rep: int, grouped: bool = False
+) -> float:
     """``lengths[i * samples + j]``: the response length of sample j of prompt i."""
     from backends.rollout.client import RolloutClient
 
@@ -188,7 +192,9 @@ def main(argv=None) -> None:
                 hf = transformers_tokens_per_s(hf_model, prompts, args.samples, lengths)
                 eng = asyncio.run(engine_rollout(stack.router_url, prompts, args.samples, lengths, rep, args.grouped))
                 ratios.append(eng / hf)
-                print(f"  {n_engines} engine(s) rep {rep}: engines {eng:8.0f} tok/s  transformers {hf:8.0f} tok/s  ratio {eng / hf:5.2f}")
+                print(
+                    f"  {n_engines} engine(s) rep {rep}: engines {eng:8.0f} tok/s  transformers {hf:8.0f} tok/s  ratio {eng / hf:5.2f}"
+                )
             stack.stop()
         summary.append((n_engines, statistics.median(ratios)))
     for n_engines, ratio in summary:

@@ -47,12 +47,19 @@ def bpe_tokenizer(vocab_size: int = 96, seed: int = 0):
         texts += [f"{a}+{b}=", str(a + b)]
     core = Tokenizer(models.BPE(unk_token="<unk>"))
     core.decoder = decoders.Fuse()
-    core.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False))
+    core.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False)
+    )
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        additional_special_tokens=list(SPECIALS[4:]), chat_template=CHAR_CHAT_TEMPLATE,
-    )  # fmt: skip
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=list(SPECIALS[4:]),
+        chat_template=CHAR_CHAT_TEMPLATE,
+    )
 
 
 def user_model(out_dir: Path, tied: bool, seed: int = 0) -> Path:
@@ -81,7 +88,9 @@ def run(skyrl: str, stage: str, recipe: Path, run_dir: Path, sets: list[str]) ->
         argv += ["--set", item]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n" + "\n".join((done.stdout + done.stderr).splitlines()[-8:]))
+        raise SystemExit(
+            f"{' '.join(argv)} failed ({done.returncode}):\n" + "\n".join((done.stdout + done.stderr).splitlines()[-8:])
+        )
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -96,17 +105,29 @@ def one(args, variant: str, seed: int, out: Path) -> dict:
     where.mkdir(parents=True, exist_ok=True)
     recipe = recipe_for(user_model(where / "model", variant == "tied"), where)
     sft = run(args.skyrl, "sft", recipe, where / "sft", [f"seed={seed}"])
-    rl = run(args.skyrl, "rl", recipe, where / "rl",
-             [f"seed={seed}", f"rl.init_from={where / 'sft' / 'final'}", f"rl.steps={args.steps}"])  # fmt: skip
+    rl = run(
+        args.skyrl,
+        "rl",
+        recipe,
+        where / "rl",
+        [f"seed={seed}", f"rl.init_from={where / 'sft' / 'final'}", f"rl.steps={args.steps}"],
+    )
     per_step = gaps(where / "rl")
     mid = min(30, args.steps)
     return {
-        "variant": variant, "seed": seed, "sft_accuracy": sft["metrics"]["eval/accuracy"],
-        "before": rl["eval_accuracy_initial"], "after": rl["eval_accuracy_final"],
-        "gap_1": per_step.get(1), f"gap_{mid}": per_step.get(mid), "gap_last": per_step.get(args.steps),
-        "gap_mean": statistics.mean(per_step.values()), "gap_max_step": max(per_step.values()),
-        "health_fired": "health" in rl, "rl_wall_s": rl.get("wall_s"),
-    }  # fmt: skip
+        "variant": variant,
+        "seed": seed,
+        "sft_accuracy": sft["metrics"]["eval/accuracy"],
+        "before": rl["eval_accuracy_initial"],
+        "after": rl["eval_accuracy_final"],
+        "gap_1": per_step.get(1),
+        f"gap_{mid}": per_step.get(mid),
+        "gap_last": per_step.get(args.steps),
+        "gap_mean": statistics.mean(per_step.values()),
+        "gap_max_step": max(per_step.values()),
+        "health_fired": "health" in rl,
+        "rl_wall_s": rl.get("wall_s"),
+    }
 
 
 def main(argv=None) -> None:
@@ -126,10 +147,12 @@ def main(argv=None) -> None:
     for variant in args.variants:
         mine = [r for r in rows if r["variant"] == variant]
         if mine:
-            print(f"{variant}: mean gap {min(r['gap_mean'] for r in mine):.2e}-{max(r['gap_mean'] for r in mine):.2e}, "
-                  f"worst step {max(r['gap_max_step'] for r in mine):.2e}, RL gain "
-                  + ", ".join(f"{r['after'] - r['before']:+.3f}" for r in mine)
-                  + f", health fired in {sum(r['health_fired'] for r in mine)}/{len(mine)}")  # fmt: skip
+            print(
+                f"{variant}: mean gap {min(r['gap_mean'] for r in mine):.2e}-{max(r['gap_mean'] for r in mine):.2e}, "
+                f"worst step {max(r['gap_max_step'] for r in mine):.2e}, RL gain "
+                + ", ".join(f"{r['after'] - r['before']:+.3f}" for r in mine)
+                + f", health fired in {sum(r['health_fired'] for r in mine)}/{len(mine)}"
+            )
     by = {v: statistics.mean(r["gap_mean"] for r in rows if r["variant"] == v) for v in args.variants}
     if {"tied", "untied"} <= set(by):
         print(f"tied / untied mean on-policy gap: {by['tied'] / by['untied']:.2f}x; run directories: {out}")

@@ -45,22 +45,39 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
     from skyrl_contracts.schema import TinyModelInit
 
     tok = build_char_tokenizer(string.digits + string.ascii_lowercase + " +-*=?.,")
-    model = build_tiny_model(TinyModelInit(hidden_size=hidden, layers=layers, heads=4, max_position_embeddings=512), tok, 0)
+    model = build_tiny_model(
+        TinyModelInit(hidden_size=hidden, layers=layers, heads=4, max_position_embeddings=512), tok, 0
+    )
     return save_hf(model, tok, out)
 
 
 class Server:
     def __init__(self, model_dir: Path, storage: Path, batch: bool, sample_url: str | None = None, engines=()):
         self.port = free_port()
-        config = {"base_model": "bench", "model_dir": str(model_dir), "storage_dir": str(storage), "api_keys": KEYS,
-                  "host": "127.0.0.1", "port": self.port, "max_live_adapters": 16, "batch_adapters": batch,
-                  "max_sequence_tokens": 512, "sample_url": sample_url, "engine_urls": list(engines)}  # fmt: skip
+        config = {
+            "base_model": "bench",
+            "model_dir": str(model_dir),
+            "storage_dir": str(storage),
+            "api_keys": KEYS,
+            "host": "127.0.0.1",
+            "port": self.port,
+            "max_live_adapters": 16,
+            "batch_adapters": batch,
+            "max_sequence_tokens": 512,
+            "sample_url": sample_url,
+            "engine_urls": list(engines),
+        }
         self.config_path = storage.parent / f"server-{self.port}.json"
         self.config_path.write_text(json.dumps(config))
         self.log = open(storage.parent / f"server-{self.port}.log", "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("BENCH_TRAINER_THREADS", "1")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "backends.tinker.server", "--config", str(self.config_path)],
-                                     cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "backends.tinker.server", "--config", str(self.config_path)],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -84,8 +101,12 @@ def datums(types, seq_len: int, count: int, offset: int):
     out = []
     for j in range(count):
         seq = [7 + (offset + j + i) % 36 for i in range(seq_len + 1)]
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                               loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * seq_len}))  # fmt: skip
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(seq[:-1]),
+                loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * seq_len},
+            )
+        )
     return out
 
 
@@ -163,8 +184,10 @@ def run_training_processes(url: str, clients: int, steps: int, seq_len: int, per
 
     ctx = mp.get_context("spawn")
     barrier, done, out = ctx.Barrier(clients + 1), ctx.Barrier(clients + 1), ctx.Queue()
-    procs = [ctx.Process(target=_process_client, args=(i, url, steps, seq_len, per_step, barrier, done, out))
-             for i in range(clients)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_process_client, args=(i, url, steps, seq_len, per_step, barrier, done, out))
+        for i in range(clients)
+    ]
     for p in procs:
         p.start()
     barrier.wait(timeout=600)
@@ -213,8 +236,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tmp = Path(tempfile.mkdtemp(prefix="bench-tinker-"))
     model_dir = build_model(tmp / "model", args.hidden, args.layers)
-    print(f"model hidden {args.hidden} x {args.layers} layers; step = forward_backward over {args.datums} x "
-          f"{args.seq_len} tokens + optim_step; {args.steps} steps per client, {args.reps} reps", flush=True)  # fmt: skip
+    print(
+        f"model hidden {args.hidden} x {args.layers} layers; step = forward_backward over {args.datums} x "
+        f"{args.seq_len} tokens + optim_step; {args.steps} steps per client, {args.reps} reps",
+        flush=True,
+    )
     figures: dict[str, list[float]] = {}
     for rep in range(args.reps):
         for batch in (True, False):
@@ -232,8 +258,10 @@ def main() -> None:
     for mode in ("batched", "one pass per adapter"):
         one, four = statistics.median(figures[f"{mode}|1"]), statistics.median(figures[f"{mode}|4"])
         ratios = [f4 / f1 for f1, f4 in zip(figures[f"{mode}|1"], figures[f"{mode}|4"])]
-        print(f"  {mode:>21}: 1 client {one:.2f}, 4 clients {four:.2f}: 4 vs 1 = {statistics.median(ratios):.2f}x "
-              f"(per rep {', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+        print(
+            f"  {mode:>21}: 1 client {one:.2f}, 4 clients {four:.2f}: 4 vs 1 = {statistics.median(ratios):.2f}x "
+            f"(per rep {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     if args.sampling:
         sampling(args, model_dir, tmp)
 
@@ -245,8 +273,16 @@ def sampling(args, model_dir: Path, tmp: Path) -> None:
     from skyrl_cli.recipe.lengths import with_model_lengths
     from skyrl_contracts.schema import Recipe
 
-    recipe = with_model_lengths(Recipe.model_validate({"name": "b", "model": {"path": str(model_dir), "lora": {"rank": 8}},
-                                                       "tinker": {}, "inference": {"engines": 1}}))  # fmt: skip
+    recipe = with_model_lengths(
+        Recipe.model_validate(
+            {
+                "name": "b",
+                "model": {"path": str(model_dir), "lora": {"rank": 8}},
+                "tinker": {},
+                "inference": {"engines": 1},
+            }
+        )
+    )
     machine = Machine("cpu", engine_cores=tuple(sorted(os.sched_getaffinity(0))))
     port = free_port()
     (spec,) = [with_max_loras(s, 8) for s in engine_specs(recipe, machine, [port], str(model_dir))]
@@ -264,9 +300,11 @@ def sampling(args, model_dir: Path, tmp: Path) -> None:
         finally:
             server.stop()
     ratios = [b / a for a, b in zip(rates[1], rates[4])]
-    print(f"\nsampling (32 tokens per request, each client its own adapter), requests/s (median): 1 client "
-          f"{statistics.median(rates[1]):.2f}, 4 clients {statistics.median(rates[4]):.2f}: 4 vs 1 = "
-          f"{statistics.median(ratios):.2f}x")  # fmt: skip
+    print(
+        f"\nsampling (32 tokens per request, each client its own adapter), requests/s (median): 1 client "
+        f"{statistics.median(rates[1]):.2f}, 4 clients {statistics.median(rates[4]):.2f}: 4 vs 1 = "
+        f"{statistics.median(ratios):.2f}x"
+    )
 
 
 if __name__ == "__main__":

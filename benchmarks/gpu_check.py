@@ -99,7 +99,9 @@ def tiny_model_dir(out: Path) -> Path:
     from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
-    model = build_tiny_model(TinyModelInit(hidden_size=256, layers=4, heads=4, max_position_embeddings=1024), tokenizer, 0)
+    model = build_tiny_model(
+        TinyModelInit(hidden_size=256, layers=4, heads=4, max_position_embeddings=1024), tokenizer, 0
+    )
     return save_hf(model, tokenizer, out)
 
 
@@ -141,9 +143,19 @@ def train_engine(model, bf16: bool):
         from backends.train.engine import init_distributed, make_engine
 
         init_distributed("cuda" if cuda() else "cpu")
-        engine, _ = make_engine(model.to(device()), lr=1e-4, weight_decay=0.0, lr_lambda=lambda s: 1.0, zero_stage=2, grad_clip=1.0, bf16=bf16)
+        engine, _ = make_engine(
+            model.to(device()),
+            lr=1e-4,
+            weight_decay=0.0,
+            lr_lambda=lambda s: 1.0,
+            zero_stage=2,
+            grad_clip=1.0,
+            bf16=bf16,
+        )
         return engine, "DeepSpeed ZeRO-2"
-    return PlainEngine(model.to(device()), torch.optim.AdamW(model.parameters(), lr=1e-4)), "plain PyTorch (no DeepSpeed)"
+    return PlainEngine(
+        model.to(device()), torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ), "plain PyTorch (no DeepSpeed)"
 
 
 class PlainEngine:
@@ -199,7 +211,9 @@ def stage_sft_tiny(ctx) -> dict[str, str]:
     model = AutoModelForCausalLM.from_pretrained(str(ctx.tiny), dtype="bfloat16" if bf16 else "float32")
     engine, kind = train_engine(model, bf16)
     n, max_len = (256, 1024) if cuda() else (max(2, int(8 * ctx.scale)), 128)
-    figures = sft_steps(engine, random_examples(n, model.config.vocab_size, 16, max_len), ctx.steps, 16384 if cuda() else 512)
+    figures = sft_steps(
+        engine, random_examples(n, model.config.vocab_size, 16, max_len), ctx.steps, 16384 if cuda() else 512
+    )
     return {"trainer": f"{kind}, {'bf16' if bf16 else 'fp32'}", **figures}
 
 
@@ -212,7 +226,11 @@ def stage_sft_05b(ctx) -> dict[str, str]:
     model.gradient_checkpointing_enable()
     engine, kind = train_engine(model, True)
     figures = sft_steps(engine, random_examples(64, model.config.vocab_size, 64, 1024), ctx.steps, 16384)
-    return {"model": f"Qwen2.5-0.5B ({source}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B)", "trainer": f"{kind}, bf16", **figures}
+    return {
+        "model": f"Qwen2.5-0.5B ({source}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B)",
+        "trainer": f"{kind}, bf16",
+        **figures,
+    }
 
 
 # ------------------------------------------------------------------------------ RL learner
@@ -220,20 +238,32 @@ def stage_sft_05b(ctx) -> dict[str, str]:
 
 def learner_run_dir(root: Path, model_dir: Path, steps: int, prompts: int, samples: int, max_response: int):
     """A run directory as ``skyrl rl`` lays it out, with the recipe and ``steps`` synthetic batches."""
-    from skyrl_contracts.exchange import RunExchange
-    from backends.rollout.batch import Sample
-    from skyrl_contracts.atomic import write_json
-    from skyrl_contracts.schema import Recipe
-    from skyrl_contracts.rundir import RunDir, recipe_json
-
     import random
 
-    recipe = Recipe.model_validate({
-        "name": "gpu-check", "model": {"path": str(model_dir)}, "data": {"task": "addition"},
-        "rl": {"init_from": str(model_dir), "steps": steps, "prompts_per_step": prompts, "samples_per_prompt": samples,
-               "max_new_tokens": max_response, "save_every": 0, "mini_batches": 2, "eval_every": 0},
-        "trainer": {"ranks": 1, "zero_stage": 2},
-    })  # fmt: skip
+    from backends.rollout.batch import Sample
+    from skyrl_contracts.atomic import write_json
+    from skyrl_contracts.exchange import RunExchange
+    from skyrl_contracts.rundir import RunDir, recipe_json
+    from skyrl_contracts.schema import Recipe
+
+    recipe = Recipe.model_validate(
+        {
+            "name": "gpu-check",
+            "model": {"path": str(model_dir)},
+            "data": {"task": "addition"},
+            "rl": {
+                "init_from": str(model_dir),
+                "steps": steps,
+                "prompts_per_step": prompts,
+                "samples_per_prompt": samples,
+                "max_new_tokens": max_response,
+                "save_every": 0,
+                "mini_batches": 2,
+                "eval_every": 0,
+            },
+            "trainer": {"ranks": 1, "zero_stage": 2},
+        }
+    )
     paths = RunDir(root)
     write_json(paths.resolved_recipe, recipe_json(recipe))
     rng, exchange = random.Random(0), RunExchange(root)
@@ -243,8 +273,18 @@ def learner_run_dir(root: Path, model_dir: Path, steps: int, prompts: int, sampl
             prompt = [rng.randrange(3, 40) for _ in range(32)]
             for i in range(samples):
                 n = rng.randint(8, max_response)
-                batch.append(Sample(f"s{step}p{p}", i, prompt, [rng.randrange(3, 40) for _ in range(n)], [1] * n,
-                                    [-3.0] * n, reward=float(rng.random() < 0.5), policy_versions=(step,)).to_dict())  # fmt: skip
+                batch.append(
+                    Sample(
+                        f"s{step}p{p}",
+                        i,
+                        prompt,
+                        [rng.randrange(3, 40) for _ in range(n)],
+                        [1] * n,
+                        [-3.0] * n,
+                        reward=float(rng.random() < 0.5),
+                        policy_versions=(step,),
+                    ).to_dict()
+                )
         exchange.write_batch(step, {"step": step, "samples": batch})
     return recipe
 
@@ -257,7 +297,9 @@ def stage_rl_learner(ctx) -> dict[str, str]:
     from skyrl_contracts.ports import find_free_ports
 
     if not has("deepspeed"):
-        raise Skip("no DeepSpeed: the RL learner is a DeepSpeed process (carry it: scripts/gpu-check.sh --fetch-wheels)")
+        raise Skip(
+            "no DeepSpeed: the RL learner is a DeepSpeed process (carry it: scripts/gpu-check.sh --fetch-wheels)"
+        )
     run_dir = ctx.tmp / "rl-run"
     steps = max(2, ctx.steps)
     learner_run_dir(run_dir, ctx.tiny, steps, 16 if cuda() else max(1, int(2 * ctx.scale)), 4, 256 if cuda() else 48)
@@ -279,7 +321,8 @@ def stage_rl_learner(ctx) -> dict[str, str]:
         "train tokens/s": f"{mean('train/tokens_per_s'):,.0f}",
         "publish (disk) per step": f"{mean('timing/publish_weights_s') * 1000:.0f} ms (tiny model, safetensors)",
         "NCCL fallback": ("asked for NCCL, set-up failed, fell back to disk" if fell_back else "FAILED to fall back")
-        if exercised else "not exercised (CUDA and vLLM here: the vllm stage runs NCCL)",
+        if exercised
+        else "not exercised (CUDA and vLLM here: the vllm stage runs NCCL)",
         "peak memory": peak_memory(),
     }
 
@@ -299,7 +342,9 @@ def stage_int4_qat(ctx) -> dict[str, str]:
     layers = prepare_qat(model, QuantizationConfig(group_size=32))
     engine, kind = train_engine(model, False)
     n, max_len = (128, 256) if cuda() else (max(2, int(8 * ctx.scale)), 128)
-    figures = sft_steps(engine, random_examples(n, model.config.vocab_size, 16, max_len), ctx.steps, 8192 if cuda() else 512)
+    figures = sft_steps(
+        engine, random_examples(n, model.config.vocab_size, 16, max_len), ctx.steps, 8192 if cuda() else 512
+    )
     return {"trainer": f"{kind}, fp32, {len(layers)} fake-quantized Linear layers", **figures}
 
 
@@ -374,14 +419,20 @@ def stage_tied_sync(ctx) -> dict[str, str]:
         for reference, exported in ((moved, "v1"), (None, "engine-model")):
             if reference is None:
                 reference = AutoModelForCausalLM.from_pretrained(str(initial), dtype=dtype).to(dev).eval()
-            loaded = AutoModelForCausalLM.from_pretrained(str(ctx.tmp / f"tied-{arch}" / exported), dtype=dtype).to(dev).eval()
+            loaded = (
+                AutoModelForCausalLM.from_pretrained(str(ctx.tmp / f"tied-{arch}" / exported), dtype=dtype)
+                .to(dev)
+                .eval()
+            )
             if tied_head(loaded) is not None:
                 raise AssertionError(f"{arch}: {exported} loads tied")
             pairs = zip(transformers_logprobs(reference, ids), transformers_logprobs(loaded, ids))
             gaps.append(max(abs(a - b) for a, b in pairs))
         if max(gaps) > 0:
             raise AssertionError(f"{arch}: exported weights give other logprobs ({gaps})")
-        figures[arch] = f"version and engine copy equal the tied model ({str(dtype).split('.')[-1]}, {dev}): gap {max(gaps):.1e}"
+        figures[arch] = (
+            f"version and engine copy equal the tied model ({str(dtype).split('.')[-1]}, {dev}): gap {max(gaps):.1e}"
+        )
     return figures
 
 
@@ -454,14 +505,18 @@ def print_table(outcomes: list[Outcome], total_s: float) -> None:
         for line in lines[1:]:
             print(f"{'':<30} {line}")
     failed = [o.stage for o in outcomes if o.status == "FAILED"]
-    print(f"total {total_s:.0f} s; {len(outcomes) - len(failed)} of {len(outcomes)} stages passed or skipped"
-          + (f"; FAILED: {', '.join(failed)}" if failed else ""))  # fmt: skip
+    print(
+        f"total {total_s:.0f} s; {len(outcomes) - len(failed)} of {len(outcomes)} stages passed or skipped"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", choices=list(STAGES), help="run only these stages (repeatable)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per training stage (default: 5 on CUDA, 2 on CPU)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per training stage (default: 5 on CUDA, 2 on CPU)"
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="CPU batch sizes x this")
     args = parser.parse_args(argv)
     started = time.perf_counter()

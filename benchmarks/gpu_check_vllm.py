@@ -24,10 +24,17 @@ def _recipe(model_dir: Path, on_gpu: bool):
     inference = {"engines": 1, "max_model_len": 512, "max_num_seqs": 64, "max_concurrency": 64}
     if on_gpu:
         inference["gpu_memory_utilization"] = 0.2
-    return with_model_lengths(Recipe.model_validate({
-        "name": "gpu-check", "model": {"path": str(model_dir)}, "data": {"task": "addition"}, "rl": {"init_from": str(model_dir)},
-        "inference": inference,
-    }))  # fmt: skip
+    return with_model_lengths(
+        Recipe.model_validate(
+            {
+                "name": "gpu-check",
+                "model": {"path": str(model_dir)},
+                "data": {"task": "addition"},
+                "rl": {"init_from": str(model_dir)},
+                "inference": inference,
+            }
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -59,7 +66,9 @@ async def _rollouts(router_url: str, sessions: int, tokens: int):
     async with RolloutClient(router_url, max_retries=1) as client:
         await client.generate(prompts[0], "warm-up", 8, 1.0)
         started = time.perf_counter()
-        done = await asyncio.gather(*(client.generate(p, f"s{i}", tokens, 1.0, ignore_eos=True) for i, p in enumerate(prompts)))
+        done = await asyncio.gather(
+            *(client.generate(p, f"s{i}", tokens, 1.0, ignore_eos=True) for i, p in enumerate(prompts))
+        )
         elapsed = time.perf_counter() - started
     completions = [c[0] for c in done]
     return prompts, completions, sum(len(c.token_ids) for c in completions) / elapsed
@@ -125,13 +134,19 @@ def run_vllm_stage(ctx) -> dict[str, str]:
     model = model.to("cuda:0" if gpus else "cpu")
     engine_gpu = (1 if gpus >= 2 else 0) if gpus else None
     mode = "nccl" if gpus >= 2 else "disk"
-    figures = {"engine": f"tiny model, {'GPU ' + str(engine_gpu) if gpus else 'CPU core 0'}, trainer copy on {'GPU 0' if gpus else 'CPU'}"}
+    figures = {
+        "engine": f"tiny model, {'GPU ' + str(engine_gpu) if gpus else 'CPU core 0'}, trainer copy on {'GPU 0' if gpus else 'CPU'}"
+    }
     with serving(ctx.tiny, ctx.tmp / "vllm-run", engine_gpu, mode) as (url, router_url):
         prompts, completions, tokens_per_s = asyncio.run(_rollouts(router_url, 64, 64))
         figures["rollout tokens/s"] = f"{tokens_per_s:,.0f} (64 sessions x 64 tokens through the router)"
-        figures["logprob gap"] = f"{logprob_gap(model, prompts, completions):.4f} mean |engine - trainer| (same weights)"
+        figures["logprob gap"] = (
+            f"{logprob_gap(model, prompts, completions):.4f} mean |engine - trainer| (same weights)"
+        )
         export_s, sync_s = disk_sync_per_step(model, tokenizer, url, ctx.tmp / "weights")
-        figures["weight sync (disk)"] = f"{(export_s + sync_s) * 1000:.0f} ms per step (export {export_s * 1000:.0f} + reload {sync_s * 1000:.0f})"
+        figures["weight sync (disk)"] = (
+            f"{(export_s + sync_s) * 1000:.0f} ms per step (export {export_s * 1000:.0f} + reload {sync_s * 1000:.0f})"
+        )
         if mode == "nccl":
             figures["weight sync (NCCL)"] = f"{nccl_sync_per_step(model, url) * 1000:.0f} ms per step"
         else:

@@ -32,8 +32,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for every run")
-    p.add_argument("--rl-set", dest="rl_sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for the RL runs")
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for every run"
+    )
+    p.add_argument(
+        "--rl-set", dest="rl_sets", action="append", default=[], metavar="KEY=VALUE", help="extra --set for the RL runs"
+    )
     p.add_argument("--reuse-sft", action="store_true", help="keep an SFT model already under --out")
     p.add_argument("--tag", default="", help="suffix of the RL run directories (to compare settings on one --out)")
     p.add_argument("--out", type=Path, default=None, help="where the run directories go")
@@ -66,9 +70,12 @@ def one_seed(args, seed: int, out: Path) -> dict:
     row = {"seed": seed, "sft_accuracy": sft["metrics"]["eval/accuracy"], "sft_s": sft["wall_s"]}
     for mode in args.modes:
         rl = run_stage(
-            args, "rl", out / f"seed{seed}" / f"rl-{mode}{args.tag}",
-            sets + [f"rl.init_from={sft_dir / 'final'}", *args.rl_sets], ["--async"] if mode == "async" else [],
-        )  # fmt: skip
+            args,
+            "rl",
+            out / f"seed{seed}" / f"rl-{mode}{args.tag}",
+            sets + [f"rl.init_from={sft_dir / 'final'}", *args.rl_sets],
+            ["--async"] if mode == "async" else [],
+        )
         row[f"{mode}_before"] = rl["eval_accuracy_initial"]
         row[f"{mode}_after"] = rl["eval_accuracy_final"]
         row[f"{mode}_s"] = rl["wall_s"]
@@ -79,7 +86,12 @@ def table(rows: list[dict]) -> str:
     columns = [c for c in rows[0] if c != "seed"]
     lines = ["seed  " + "  ".join(f"{c:>13}" for c in columns)]
     for r in rows:
-        lines.append(f"{r['seed']:>4}  " + "  ".join(f"{r[c]:>13.3f}" if c.endswith(("accuracy", "before", "after")) else f"{r[c]:>13.1f}" for c in columns))
+        lines.append(
+            f"{r['seed']:>4}  "
+            + "  ".join(
+                f"{r[c]:>13.3f}" if c.endswith(("accuracy", "before", "after")) else f"{r[c]:>13.1f}" for c in columns
+            )
+        )
     for name, fn in (("min", min), ("med", statistics.median), ("max", max)):
         lines.append(f"{name:>4}  " + "  ".join(f"{fn(r[c] for r in rows):>13.3f}" for c in columns))
     return "\n".join(lines)
@@ -95,8 +107,10 @@ def main(argv=None) -> None:
     print(table(rows))
     for mode in args.modes:
         gains = [r[f"{mode}_after"] - r[f"{mode}_before"] for r in rows]
-        print(f"{mode}: RL gain min {min(gains):+.3f} median {statistics.median(gains):+.3f} max {max(gains):+.3f}; "
-              f"final accuracy mean {statistics.mean(r[f'{mode}_after'] for r in rows):.3f}")
+        print(
+            f"{mode}: RL gain min {min(gains):+.3f} median {statistics.median(gains):+.3f} max {max(gains):+.3f}; "
+            f"final accuracy mean {statistics.mean(r[f'{mode}_after'] for r in rows):.3f}"
+        )
     sft = [r["sft_accuracy"] for r in rows]
     print(f"SFT band: {min(sft):.3f}-{max(sft):.3f} ({(max(sft) - min(sft)) * 100:.1f} points); run directories: {out}")
     if args.json:

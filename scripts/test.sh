@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
-#   scripts/test.sh                 # everything
+#   scripts/test.sh                 # everything: ruff format --check, ruff check, then every test
 #   scripts/test.sh tests/unit -x   # a part
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec "${SKYRL_VENV:-$ROOT/.venv}/bin/python" -m pytest -q "${@:-tests}"
+VENV_BIN="${SKYRL_VENV:-$ROOT/.venv}/bin"
+if [[ $# -eq 0 ]]; then  # the whole suite (CI's command) checks the formatting and the lint first
+    "$VENV_BIN/ruff" format --check --quiet . || { echo "test: ruff format --check failed: run ruff format ." >&2; exit 1; }
+    "$VENV_BIN/ruff" check --quiet .
+fi
+exec "$VENV_BIN/python" -m pytest -q "${@:-tests}"

@@ -34,7 +34,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     """skyrl: declarative post-training from one TOML recipe."""
 
@@ -79,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(err.exit_code)
         if _debug():
             raise
-        print(f"error: internal error: {type(err).__name__}: {err} (set SKYRL_DEBUG=1 for a traceback)", file=sys.stderr)
+        print(
+            f"error: internal error: {type(err).__name__}: {err} (set SKYRL_DEBUG=1 for a traceback)", file=sys.stderr
+        )
         sys.exit(1)
     # Without standalone mode Typer *returns* the code of a typer.Exit (and of a KeyboardInterrupt,
     # as 130) instead of exiting: ignoring it made an interrupted run exit 0.

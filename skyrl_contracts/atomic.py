@@ -156,9 +156,7 @@ def _old_copies(final_dir: Path) -> list[Path]:
     prefix = f"{OLD_PREFIX}{final_dir.name}-"
     if not final_dir.parent.is_dir():
         return []
-    return [
-        p for p in final_dir.parent.iterdir() if p.name.startswith(prefix) and p.name[len(prefix):].isdigit()
-    ]  # fmt: skip
+    return [p for p in final_dir.parent.iterdir() if p.name.startswith(prefix) and p.name[len(prefix) :].isdigit()]
 
 
 def recover_dir(final_dir: PathLike) -> None:
@@ -185,7 +183,7 @@ def remove_leftovers(directory: PathLike, prefixes: tuple[str, ...] = (TMP_PREFI
         return
     for child in list(directory.iterdir()):
         if child.name.startswith(OLD_PREFIX):
-            name = child.name[len(OLD_PREFIX):].rpartition("-")[0]
+            name = child.name[len(OLD_PREFIX) :].rpartition("-")[0]
             if name:
                 recover_dir(directory / name)
         elif child.name.startswith(prefixes):

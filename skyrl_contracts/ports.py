@@ -58,8 +58,10 @@ def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         if err.errno != errno.EMFILE:
             raise
         # Every port is held by an open socket while choosing: a plan with many engines needs as many files.
-        raise UsageError(f"{n} free ports are needed at once, more than this process may open "
-                         f"(open-file limit, ulimit -n {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})") from None  # fmt: skip
+        raise UsageError(
+            f"{n} free ports are needed at once, more than this process may open "
+            f"(open-file limit, ulimit -n {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+        ) from None
     finally:
         for s in socks:
             s.close()

@@ -237,8 +237,18 @@ class RunDir:
     # ------------------------------------------------------------------ before a start
     def _previous_run(self) -> list[Path]:
         """What a previous run left behind (deleted by --overwrite), the RL exchange included."""
-        marks = (self.events, self.checkpoints, self.final, self.summary, self.batches, self.weights,
-                 self.control, self.orchestrator_state, self.eval_initial, self.int4)  # fmt: skip
+        marks = (
+            self.events,
+            self.checkpoints,
+            self.final,
+            self.summary,
+            self.batches,
+            self.weights,
+            self.control,
+            self.orchestrator_state,
+            self.eval_initial,
+            self.int4,
+        )
         return [p for p in marks if p.exists()]
 
     def prepare(

@@ -128,7 +128,9 @@ class DataConfig(Section):
         "RL reward always score the right answer.",
     )
     eval_size: PositiveInt = Field(500, description="Rows in the held-out split (built-in task or cap on files).")
-    digits: Annotated[int, Field(ge=1, le=12)] = Field(3, description="Operand digits (addition) or string length (reversal).")
+    digits: Annotated[int, Field(ge=1, le=12)] = Field(
+        3, description="Operand digits (addition) or string length (reversal)."
+    )
     max_length: Annotated[int, Field(ge=8, le=131072)] | None = Field(
         None,
         description="Sequences are truncated to this many tokens. Unset: the model's max_position_embeddings "
@@ -208,12 +210,16 @@ class DynamicSamplingConfig(Section):
 class OffPolicyConfig(Section):
     token_is_cap: PositiveFloat | None = Field(2.0, description="Truncate token importance ratios at this value.")
     seq_is_cap: PositiveFloat | None = Field(None, description="Truncate sequence importance ratios at this value.")
-    mask_low: Annotated[float, Field(ge=0)] | None = Field(None, description="Mask sequences whose geometric ratio is below.")
+    mask_low: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="Mask sequences whose geometric ratio is below."
+    )
     mask_high: PositiveFloat | None = Field(None, description="Mask sequences whose geometric ratio is above.")
 
 
 class AsyncConfig(Section):
-    max_staleness: NonNegativeInt = Field(2, description="Policy versions generation may run ahead (used with --async).")
+    max_staleness: NonNegativeInt = Field(
+        2, description="Policy versions generation may run ahead (used with --async)."
+    )
     reset_prefix_cache: bool = Field(False, description="Reset the engines' prefix cache after a weight update.")
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="Off-policy correction.")
 
@@ -248,7 +254,9 @@ class RlConfig(Section):
     save_every: NonNegativeInt = Field(10, description="Checkpoint every k steps (0: only at the end).")
     keep_last: PositiveInt = Field(2, description="Checkpoints kept on disk.")
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 # ------------------------------------------------------------------------------------------- runtime
@@ -258,7 +266,9 @@ class RouterConfig(Section):
     policy: Literal[
         "sticky_least_loaded", "consistent_hash", "round_robin", "power_of_two", "cache_aware", "random"
     ] = Field("sticky_least_loaded", description="vllm-router load-balancing policy.")
-    port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(None, description="Router port (default: a free one).")
+    port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(
+        None, description="Router port (default: a free one)."
+    )
     # Failures between the router and an engine (a 5xx, a reset connection). The rollout client
     # retries too (inference.max_retries); these act first, inside the router, on another engine
     # when one is healthy.
@@ -380,14 +390,17 @@ class QuantizationConfig(Section):
         "keeps full-precision master weights (under fake-quant with int4_qat = true, which shrinks the engine-vs-"
         "trainer logprob gap). Each weight sync re-exports and reloads the INT4 weights.",
     )
-    group_size: Literal[32, 64, 128] = Field(32, description="Quantization group size; must divide every target's input width.")
+    group_size: Literal[32, 64, 128] = Field(
+        32, description="Quantization group size; must divide every target's input width."
+    )
     targets: tuple[str, ...] = Field(
         (ALL_LINEAR,),
         description='Linear layers to quantize: "all-linear", or parts of module names ("q_proj", "mlp.down_proj", '
         '"mlp": every Linear under mlp). lm_head and the embeddings always stay in full precision.',
     )
     init_from: str = Field(
-        "sft", description='What skyrl quantize starts from: "sft" (this recipe\'s SFT output) or a checkpoint directory.'
+        "sft",
+        description='What skyrl quantize starts from: "sft" (this recipe\'s SFT output) or a checkpoint directory.',
     )
 
     def selects(self, layer: str) -> bool:
@@ -424,7 +437,9 @@ class TinkerConfig(Section):
     )
     host: str = Field("127.0.0.1", description="Address the API server binds; only this one.")
     port: Annotated[int, Field(ge=1024, le=65535)] = Field(8000, description="API server port.")
-    max_lora_rank: Annotated[int, Field(ge=1, le=512)] = Field(32, description="Largest LoRA rank a client may ask for.")
+    max_lora_rank: Annotated[int, Field(ge=1, le=512)] = Field(
+        32, description="Largest LoRA rank a client may ask for."
+    )
     max_live_adapters: Annotated[int, Field(ge=1, le=256)] = Field(
         8, description="Training adapters held at once (over all clients); also the engines' --max-loras."
     )

@@ -58,7 +58,7 @@ def assistant_spans(tokenizer, messages: Messages, loss_on: LossOn) -> tuple[str
         if not (full.startswith(before) and full.startswith(through)):
             raise ValueError(
                 "the chat template renders a conversation prefix differently from the whole conversation; "
-                "use data.loss_on = \"all\" or a template without history rewriting"
+                'use data.loss_on = "all" or a template without history rewriting'
             )
         spans.append((len(before), len(through)))
     if loss_on == "last_assistant":
@@ -66,7 +66,9 @@ def assistant_spans(tokenizer, messages: Messages, loss_on: LossOn) -> tuple[str
     return full, spans
 
 
-def encode_conversation(tokenizer, messages: Messages, loss_on: LossOn = "assistant", max_length: int | None = None) -> Example:
+def encode_conversation(
+    tokenizer, messages: Messages, loss_on: LossOn = "assistant", max_length: int | None = None
+) -> Example:
     """Token ids of a whole conversation and its loss mask, truncated to ``max_length`` tokens."""
     return encode_conversations(tokenizer, [messages], loss_on, max_length)[0]
 
@@ -108,7 +110,9 @@ def to_messages(row: dict, fmt: Literal["auto", "messages", "prompt_completion"]
         raise ValueError("row needs 'messages', or 'prompt' and 'completion'")
     prompt, completion = row["prompt"], row["completion"]
     head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else [dict(m) for m in completion]
+    tail = (
+        [{"role": "assistant", "content": completion}] if isinstance(completion, str) else [dict(m) for m in completion]
+    )
     return head + tail
 
 

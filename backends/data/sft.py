@@ -88,7 +88,9 @@ def build_sft_data(
     rank's list in rank order), each rank encodes one contiguous block of the training rows."""
     rank, world = shard
     block = -(-len(source.train) // world)
-    mine = encode_conversations(tokenizer, source.train[rank * block : (rank + 1) * block], data.loss_on, data.max_length)
+    mine = encode_conversations(
+        tokenizer, source.train[rank * block : (rank + 1) * block], data.loss_on, data.max_length
+    )
     train = gather(mine) if gather is not None else mine
     kept = [ex for ex in train if ex.loss_tokens > 0]
     if not kept:
@@ -96,7 +98,9 @@ def build_sft_data(
             f"no training sequence keeps a loss token (data.loss_on = {data.loss_on!r}, "
             f"data.max_length = {data.max_length}); raise data.max_length"
         )
-    evals = [ex for ex in encode_conversations(tokenizer, source.eval, data.loss_on, data.max_length) if ex.loss_tokens > 0]
+    evals = [
+        ex for ex in encode_conversations(tokenizer, source.eval, data.loss_on, data.max_length) if ex.loss_tokens > 0
+    ]
     items = []
     for i, conv in enumerate(source.eval):
         prompt, reference = split_reference(conv)

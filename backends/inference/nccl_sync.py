@@ -60,7 +60,11 @@ class _FanOutClient:
     """
 
     def __init__(
-        self, engine_urls: Sequence[str], tensor_parallel: int, timeout_s: float = 600.0, transport: httpx.BaseTransport | None = None
+        self,
+        engine_urls: Sequence[str],
+        tensor_parallel: int,
+        timeout_s: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
     ):
         self.engine_urls = list(engine_urls)
         self.tensor_parallel = tensor_parallel
@@ -205,7 +209,12 @@ def nccl_missing() -> str | None:
 
 
 def open_weight_syncer(
-    device: str, engine_urls: Sequence[str], tensor_parallel: int, module, master_address: str, master_port: int,
+    device: str,
+    engine_urls: Sequence[str],
+    tensor_parallel: int,
+    module,
+    master_address: str,
+    master_port: int,
     transport: httpx.BaseTransport | None = None,
 ) -> tuple[NcclWeightSync | None, str | None]:
     """(the NCCL syncer, None) on CUDA, or (None, why not): use the disk path."""
@@ -221,12 +230,19 @@ def open_weight_syncer(
 
 
 def make_weight_syncer(
-    device: str, engine_urls: Sequence[str], tensor_parallel: int, module, master_address: str, master_port: int,
+    device: str,
+    engine_urls: Sequence[str],
+    tensor_parallel: int,
+    module,
+    master_address: str,
+    master_port: int,
     transport: httpx.BaseTransport | None = None,
 ) -> NcclWeightSync | None:
     """``open_weight_syncer`` that says the fallback in one warning line (none on CPU, where the
     disk path is the only one)."""
-    syncer, why = open_weight_syncer(device, engine_urls, tensor_parallel, module, master_address, master_port, transport)
+    syncer, why = open_weight_syncer(
+        device, engine_urls, tensor_parallel, module, master_address, master_port, transport
+    )
     if syncer is None and device == "cuda":
         log.warning("NCCL weight transfer unavailable (%s); weights go through the disk path", why)
     return syncer
@@ -263,8 +279,16 @@ class NcclEngineWeights(EngineWeights):
     takes its ranks out of the NCCL group: the next transfer fails and so does the run (resume it
     with ``--resume``; recovery cannot bring a restarted engine back into the group)."""
 
-    def __init__(self, engine_urls: Sequence[str], run_dir: str | os.PathLike, exchange, *, reset_prefix_cache: bool = False,
-                 timeout_s: float = ADMIN_TIMEOUT_S, http: httpx.AsyncClient | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        run_dir: str | os.PathLike,
+        exchange,
+        *,
+        reset_prefix_cache: bool = False,
+        timeout_s: float = ADMIN_TIMEOUT_S,
+        http: httpx.AsyncClient | None = None,
+    ):
         super().__init__(engine_urls, run_dir, reset_prefix_cache=reset_prefix_cache)
         self.exchange, self.timeout_s, self.http = exchange, timeout_s, http
         self.last_transfer_s: float | None = None  # the learner's send time of the last NCCL version
@@ -278,9 +302,16 @@ class NcclEngineWeights(EngineWeights):
             self.exchange.mark_transfer_ready(version)
             outcome = await asyncio.to_thread(self.exchange.wait_transfer_done, version, self.timeout_s)
             if "error" in outcome:
-                raise WeightSyncError(f"NCCL weight transfer of version {version} failed in the trainer: {outcome['error']}")
+                raise WeightSyncError(
+                    f"NCCL weight transfer of version {version} failed in the trainer: {outcome['error']}"
+                )
             self.last_transfer_s = float(outcome["seconds"])
 
         return await sync_transferred(
-            self.engine_urls, version, transfer, reset_prefix_cache=self.reset_prefix_cache, http=self.http, timeout_s=self.timeout_s
+            self.engine_urls,
+            version,
+            transfer,
+            reset_prefix_cache=self.reset_prefix_cache,
+            http=self.http,
+            timeout_s=self.timeout_s,
         )

@@ -59,7 +59,9 @@ def transformers_logprobs(model, ids: list[int]) -> list[float]:
     return logprobs.gather(1, torch.tensor(ids[1:], device=on).unsqueeze(1)).squeeze(1).tolist()
 
 
-def engine_logprobs(url: str, ids: list[int], model_name: str = SERVED_MODEL_NAME, timeout_s: float = 60.0) -> list[float]:
+def engine_logprobs(
+    url: str, ids: list[int], model_name: str = SERVED_MODEL_NAME, timeout_s: float = 60.0
+) -> list[float]:
     """The engine's prompt logprobs of ``ids`` (positions 1..), temperature 1 (no processing)."""
     import httpx
 
@@ -93,7 +95,9 @@ def round_trip(engine_url: str, model_dir: Path, scratch: Path, version: str = "
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m backends.inference.sync_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m backends.inference.sync_check", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--engine-url", required=True)
     parser.add_argument("--model", required=True, type=Path, help="the model directory the engine was started from")
     parser.add_argument("--scratch", required=True, type=Path, help="where the moved policy is written")

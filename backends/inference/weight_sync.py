@@ -230,7 +230,9 @@ async def sync_lora_adapter(
     return await _for_each_engine(engine_urls, version, update, http, timeout_s, pause=load_inplace)
 
 
-async def unload_lora_adapter(engine_urls: Sequence[str], lora_name: str, http: httpx.AsyncClient | None = None) -> None:
+async def unload_lora_adapter(
+    engine_urls: Sequence[str], lora_name: str, http: httpx.AsyncClient | None = None
+) -> None:
     """``/v1/unload_lora_adapter`` on every engine. Clean-up, so best effort: an engine that died,
     or was restarted and only has the current adapter, is skipped with a warning."""
 
@@ -310,7 +312,9 @@ async def bring_up_to_date(engine_urls: Sequence[str], current: CurrentWeights |
         await set_weight_version(engine_urls, "0")
         return None
     if current.lora_name:  # a fresh engine has no adapter of that name: nothing to replace, no pause
-        return await sync_lora_adapter(engine_urls, current.lora_name, current.path, current.version, load_inplace=False)
+        return await sync_lora_adapter(
+            engine_urls, current.lora_name, current.path, current.version, load_inplace=False
+        )
     return await sync_weights(engine_urls, current.path, current.version)
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from skyrl_contracts.atomic import publish_dir
-from skyrl_contracts.schema import QuantizationConfig
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.schema import QuantizationConfig
 
 FORMAT = "pack-quantized"
 PROCESS_NAME = "quantizer"
@@ -60,7 +60,9 @@ def w4a16_config(group_size: int, ignore: list[str]):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization import QuantizationConfig as CompressionConfig
 
-    weights = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=True, dynamic=False)
+    weights = QuantizationArgs(
+        num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=True, dynamic=False
+    )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     # "frozen": the scales are given (torchao's), not to be calibrated.
     return CompressionConfig(config_groups={"group_0": scheme}, ignore=ignore, quantization_status="frozen")
@@ -136,7 +138,9 @@ def export_w4a16(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Expo
     return ExportReport(layers=len(codes), weights_bytes=weights_bytes(out))
 
 
-def export_rtn(src_dir: str | Path, out_dir: str | Path, cfg: QuantizationConfig, for_engines: bool = False) -> ExportReport:
+def export_rtn(
+    src_dir: str | Path, out_dir: str | Path, cfg: QuantizationConfig, for_engines: bool = False
+) -> ExportReport:
     """Round-to-nearest int4 of the HF model in ``src_dir`` (kept in its saved dtype) as W4A16 in
     ``out_dir``. For a model trained under fake-quant these are the codes it trained with.
     ``for_engines`` (RL with INT4 rollouts): a tied head is written out, full precision like the
@@ -157,7 +161,9 @@ def export_rtn(src_dir: str | Path, out_dir: str | Path, cfg: QuantizationConfig
     return ExportReport(report.layers, report.weights_bytes, weights_bytes(src_dir))
 
 
-def publish_int4(src_dir: str | Path, run_dir: str | Path, cfg: QuantizationConfig, for_engines: bool = False) -> ExportReport:
+def publish_int4(
+    src_dir: str | Path, run_dir: str | Path, cfg: QuantizationConfig, for_engines: bool = False
+) -> ExportReport:
     """``export_rtn`` of ``src_dir`` into ``run_dir/int4/``, published whole (a reader never sees
     half an export)."""
     paths = RunDir(run_dir)
@@ -190,8 +196,11 @@ def export_after_training(run_dir: str | Path, cfg: QuantizationConfig | None, d
     report = publish_int4(paths.final, run_dir, cfg)
     if events:
         events.log(step, {**report.metrics(), "timing/export_s": time.perf_counter() - t0})
-    print(f"INT4 export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
-          f"{report.size_ratio:.3f}x the full-precision weights)", flush=True)  # fmt: skip
+    print(
+        f"INT4 export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
+        f"{report.size_ratio:.3f}x the full-precision weights)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,8 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m backends.quant.export", description="INT4 PTQ export (W4A16).")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--model", required=True, type=Path, help="HF model directory to quantize")
-    parser.add_argument("--setup", action="store_true", help="a setup job of another stage (RL with INT4 rollouts): "
-                        "its figures go to the run's events, its progress does not")  # fmt: skip
+    parser.add_argument(
+        "--setup",
+        action="store_true",
+        help="a setup job of another stage (RL with INT4 rollouts): "
+        "its figures go to the run's events, its progress does not",
+    )
     args = parser.parse_args(argv)
     paths = RunDir(args.run_dir)
     cfg = paths.read_recipe().quantization
@@ -213,8 +226,11 @@ def main(argv: list[str] | None = None) -> None:
             events.log(0, {"progress/total_steps": 1})
         report = publish_int4(args.model, args.run_dir, cfg, for_engines=args.setup)
         events.log(0 if args.setup else 1, {**report.metrics(), "timing/export_s": time.perf_counter() - t0})
-    print(f"INT4 PTQ export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
-          f"{report.size_ratio:.3f}x {args.model})", flush=True)  # fmt: skip
+    print(
+        f"INT4 PTQ export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
+        f"{report.size_ratio:.3f}x {args.model})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -129,4 +129,3 @@ def staleness(groups: Sequence[Group], trained_version: int) -> tuple[float, int
         return 0.0, 0
     ages = [trained_version - g.start_version for g in groups]
     return sum(ages) / len(ages), max(ages)
-

@@ -95,7 +95,9 @@ def parse_generate_response(body: dict) -> list[Completion]:
             raise RolloutError(
                 f"engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens (request logprobs=0?)"
             )
-        spans = tuple(WeightSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or ())
+        spans = tuple(
+            WeightSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or ()
+        )
         completions.append(Completion(token_ids, logprobs, choice.get("finish_reason") or "stop", spans))
     return completions
 
@@ -106,7 +108,10 @@ def adapter_spans(completions: list[Completion], model: str) -> list[Completion]
     version = adapter_version(model)
     if version is None:
         return completions
-    return [replace(c, weight_spans=(WeightSpan(str(version), 0, len(c.token_ids)),) if c.token_ids else ()) for c in completions]
+    return [
+        replace(c, weight_spans=(WeightSpan(str(version), 0, len(c.token_ids)),) if c.token_ids else ())
+        for c in completions
+    ]
 
 
 def parse_completions_response(body: dict) -> list[Completion]:

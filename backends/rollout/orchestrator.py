@@ -34,8 +34,8 @@ from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.events import EventWriter
-from skyrl_contracts.schema import Recipe
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.schema import Recipe
 
 PROCESS_NAME = "orchestrator"
 ENGINES_BACK_TIMEOUT_S = 900.0  # an engine restart (start-up ~20 s, minutes on a busy machine)
@@ -49,8 +49,11 @@ def load_rows(recipe: Recipe) -> tuple[list[dict], list[dict]]:
         from backends.data.tasks import get_task
 
         task = get_task(data.task, data.digits)
-        return task.make_rows(recipe.seed, data.train_size, "train"), task.make_rows(recipe.seed, data.eval_size, "eval")
-    from backends.data.files import hold_out, load_rows as read_rows
+        return task.make_rows(recipe.seed, data.train_size, "train"), task.make_rows(
+            recipe.seed, data.eval_size, "eval"
+        )
+    from backends.data.files import hold_out
+    from backends.data.files import load_rows as read_rows
 
     train = read_rows(data.train)
     if data.eval:
@@ -115,12 +118,14 @@ class Orchestrator:
         self.window_started = time.perf_counter()
 
     # ------------------------------------------------------------------------------ rollouts
-    async def rollout(self, client, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0):
+    async def rollout(
+        self, client, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0
+    ):
         """One trajectory: (session, episode). ``first_turn``: the group's ``SharedFirstTurn``, which
         samples turn 0 of all its trajectories together. The session's router pin is always released."""
+        from backends.data.chat import encode_prompt
         from backends.rollout.environments import run_episode
         from backends.rollout.session import RolloutSession
-        from backends.data.chat import encode_prompt
 
         session: RolloutSession | None = None
 
@@ -189,7 +194,13 @@ class Orchestrator:
         (one short line per sample; appends of one line each, as events.jsonl)."""
         self.errors += count
         log.warning("sample %s: %s", sample, episode.error)
-        record = {"time": time.time(), "version": version, "sample": sample, "turns": episode.turns, "error": episode.error}
+        record = {
+            "time": time.time(),
+            "version": version,
+            "sample": sample,
+            "turns": episode.turns,
+            "error": episode.error,
+        }
         with open(self.paths.sample_errors, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
 
@@ -312,7 +323,9 @@ class Orchestrator:
         batch = self.rl.prompts_per_step
         state_file = self.paths.orchestrator_state_at(self.start)
         if self.start > 0 and state_file.exists():
-            return AsyncGroupBuffer.from_state(json.loads(state_file.read_text()), batch, self.staleness, drop_zero_variance=drop)
+            return AsyncGroupBuffer.from_state(
+                json.loads(state_file.read_text()), batch, self.staleness, drop_zero_variance=drop
+            )
         sampler = PromptSampler(len(self.train_rows), self.recipe.seed)
         return AsyncGroupBuffer(sampler, batch, self.staleness, drop_zero_variance=drop, version=self.start)
 
@@ -360,8 +373,11 @@ class Orchestrator:
             log.info(
                 "dynamic sampling: %d groups with equal rewards dropped, more than "
                 "rl.dynamic_sampling.max_extra_batches = %d batches' worth; training step %d on %d groups",
-                taken.dropped_since_last, ds.max_extra_batches, taken.step + 1, len(taken.groups),
-            )  # fmt: skip
+                taken.dropped_since_last,
+                ds.max_extra_batches,
+                taken.step + 1,
+                len(taken.groups),
+            )
         return taken
 
     async def run(self, first_version_timeout_s: float = 1800) -> None:
@@ -406,13 +422,18 @@ async def until_done_or_failed(required: set[asyncio.Task], others: set[asyncio.
 
 
 def build_orchestrator(
-    run_dir: Path, init_from: Path, router_url: str, engine_urls: Sequence[str], async_mode: bool, weight_sync: str = "disk"
+    run_dir: Path,
+    init_from: Path,
+    router_url: str,
+    engine_urls: Sequence[str],
+    async_mode: bool,
+    weight_sync: str = "disk",
 ) -> Orchestrator:
     """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner;
     ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``)."""
-    from skyrl_contracts.exchange import RunExchange
     from backends.models.tokenizer import load_tokenizer
     from backends.rollout.client import RolloutClient
+    from skyrl_contracts.exchange import RunExchange
 
     paths = RunDir(run_dir)
     recipe = paths.read_recipe()
@@ -432,9 +453,9 @@ def build_orchestrator(
 
 def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
     """The engines' weight loader: adapters (LoRA), NCCL transfers with disk versions in between, or disk."""
-    from skyrl_contracts.exchange import RunExchange
     from backends.inference.nccl_sync import NcclEngineWeights
     from backends.inference.weight_sync import EngineAdapters, EngineWeights
+    from skyrl_contracts.exchange import RunExchange
 
     reset = recipe.rl.async_.reset_prefix_cache
     if recipe.model.lora is not None:
@@ -447,7 +468,9 @@ def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], we
 def main(argv: list[str] | None = None) -> None:
     from skyrl_contracts.exchange import RunExchange, StopRequested
 
-    parser = argparse.ArgumentParser(prog="python -m backends.rollout.orchestrator", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m backends.rollout.orchestrator", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--init-from", required=True, type=Path)
     parser.add_argument("--router-url", required=True)
@@ -455,14 +478,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--async", dest="async_mode", action="store_true")
     parser.add_argument("--weight-sync", choices=("nccl", "disk", "lora"), default="disk", help="the plan's choice")
     parser.add_argument(
-        "--import-path", action="append", default=[], help="searched first for rl.reward / rl.environment (the recipe's directory)"
+        "--import-path",
+        action="append",
+        default=[],
+        help="searched first for rl.reward / rl.environment (the recipe's directory)",
     )
     args = parser.parse_args(argv)
     sys.path[:0] = [p for p in args.import_path if p not in sys.path]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     urls = [u for u in args.engine_urls.split(",") if u]
-    orchestrator = build_orchestrator(args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode, args.weight_sync)
+    orchestrator = build_orchestrator(
+        args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode, args.weight_sync
+    )
     try:
         asyncio.run(orchestrator.run())
     except StopRequested as stop:

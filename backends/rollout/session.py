@@ -62,7 +62,9 @@ class RolloutSession:
         """One model turn appended to the context; ``None`` when the context is full."""
         if self.out_of_room(max_tokens):
             return None
-        (turn,) = await self.client.generate(self.context_ids, self.session_id, self.room(max_tokens), temperature, n=1, **kwargs)
+        (turn,) = await self.client.generate(
+            self.context_ids, self.session_id, self.room(max_tokens), temperature, n=1, **kwargs
+        )
         self.requested = True
         self.add_turn(turn)
         return turn
@@ -203,6 +205,8 @@ class SharedFirstTurn:
             part = live[start : start + self.batch_size]
             sid = f"{self.session_id}-{chunk}"
             room = min(s.room(self.max_tokens) for _, s in part)
-            request = self.client.generate_batch([s.context_ids for _, s in part], sid, room, self.temperature, **self.kwargs)
+            request = self.client.generate_batch(
+                [s.context_ids for _, s in part], sid, room, self.temperature, **self.kwargs
+            )
             requests.append((sid, [i for i, _ in part], request))
         return requests

@@ -129,8 +129,14 @@ class WorkResult:
 
 
 class LoraEngine:
-    def __init__(self, model_dir: str | os.PathLike, max_rank: int, max_adapters: int, max_batch_tokens: int = 32768,
-                 device: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        max_rank: int,
+        max_adapters: int,
+        max_batch_tokens: int = 32768,
+        device: str | None = None,
+    ):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -158,8 +164,10 @@ class LoraEngine:
 
     @staticmethod
     def modules_for(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
-        return (ATTN_MODULES if train_attn else ()) + (MLP_MODULES if train_mlp else ()) + (
-            UNEMBED_MODULES if train_unembed else ()
+        return (
+            (ATTN_MODULES if train_attn else ())
+            + (MLP_MODULES if train_mlp else ())
+            + (UNEMBED_MODULES if train_unembed else ())
         )
 
     def _check_room(self, model_id: str) -> None:
@@ -290,7 +298,9 @@ class LoraEngine:
         for group in adapter.optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         grads = [p.grad for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        norm = (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        )
         if grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
         for p in params:  # a parameter without a gradient (no datum touched it) still decays

@@ -102,11 +102,15 @@ def check_loss(loss_fn: str, config: Mapping[str, object], input_names: set[str]
     spec = LOSSES.get(loss_fn)
     if spec is None:
         if loss_fn in KNOWN_UNSUPPORTED:
-            raise LossInputError(f"loss_fn {loss_fn!r} is not supported by this server (supported: {', '.join(LOSSES)})")
+            raise LossInputError(
+                f"loss_fn {loss_fn!r} is not supported by this server (supported: {', '.join(LOSSES)})"
+            )
         raise LossInputError(f"unknown loss_fn {loss_fn!r} (supported: {', '.join(LOSSES)})")
     unknown_cfg = sorted(set(config) - set(spec.config_keys))
     if unknown_cfg:
-        raise LossInputError(f"loss_fn_config keys {unknown_cfg} are not used by {loss_fn!r} (it takes {list(spec.config_keys)})")
+        raise LossInputError(
+            f"loss_fn_config keys {unknown_cfg} are not used by {loss_fn!r} (it takes {list(spec.config_keys)})"
+        )
     for key in spec.config_keys:
         if key in config and not isinstance(config[key], (int, float)):
             raise LossInputError(f"loss_fn_config.{key} must be a number")

@@ -261,4 +261,3 @@ def unsupported_sampling(req: SampleRequest) -> str | None:
         if chunk.type != "encoded_text":
             return f"prompt chunk type {chunk.type!r} is not supported (text tokens only)"
     return None
-

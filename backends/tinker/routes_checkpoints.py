@@ -56,8 +56,10 @@ async def training_runs(request: Request, ctx: Ctx, limit: int = 20, offset: int
     if not (1 <= limit <= 1000 and offset >= 0):
         raise HttpError(400, "limit must be in 1..1000 and offset >= 0")
     rows = ctx.store.models(who, limit, offset)
-    return {"training_runs": [run_json(ctx, r) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": ctx.store.count_models(who)}}  # fmt: skip
+    return {
+        "training_runs": [run_json(ctx, r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": ctx.store.count_models(who)},
+    }
 
 
 @router.get("/api/v1/training_runs/{run_id}")

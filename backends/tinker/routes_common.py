@@ -173,12 +173,17 @@ class ApiContext:
         if name is not None and not self.cfg.accepts_base(name):
             raise HttpError(400, f"base_model {name!r} is not served here (this server serves {self.cfg.base_model!r})")
 
-    def add_pending_model(self, who: str, model_id: str, session_id: str, rank: int, config: dict, user_metadata) -> None:
+    def add_pending_model(
+        self, who: str, model_id: str, session_id: str, rank: int, config: dict, user_metadata
+    ) -> None:
         """Registers a new model in a free adapter slot; the trainer makes it live."""
         if self.store.live_model_count() >= self.cfg.max_live_adapters:
-            raise HttpError(400, f"all {self.cfg.max_live_adapters} adapter slots are in use (tinker.max_live_adapters)")
-        self.store.add_model(model_id, P.run_id_for(model_id), who, session_id, self.cfg.base_model, rank,
-                             config, user_metadata)  # fmt: skip
+            raise HttpError(
+                400, f"all {self.cfg.max_live_adapters} adapter slots are in use (tinker.max_live_adapters)"
+            )
+        self.store.add_model(
+            model_id, P.run_id_for(model_id), who, session_id, self.cfg.base_model, rank, config, user_metadata
+        )
         self.store.set_model_state(model_id, "pending")
 
     def submit_model_job(self, who: str, kind: str, model_id: str, seq_id: int, body) -> int:

@@ -103,8 +103,19 @@ async def asample(request: Request, ctx: Ctx):
     from backends.tinker.sampling import SampleJob
 
     sp = req.sampling_params
-    job = SampleJob(model_name, adapter_dir, prompt, req.num_samples, max_tokens, sp.temperature, sp.top_p,
-                    sp.top_k, sp.seed, sp.stop, bool(req.prompt_logprobs))  # fmt: skip
+    job = SampleJob(
+        model_name,
+        adapter_dir,
+        prompt,
+        req.num_samples,
+        max_tokens,
+        sp.temperature,
+        sp.top_p,
+        sp.top_k,
+        sp.seed,
+        sp.stop,
+        bool(req.prompt_logprobs),
+    )
     rid, new = ctx.store.submit(who, "sample", None, dedup=dedup)
     if new:
         ctx.spawn(_run_sample(ctx, rid, job))

@@ -17,9 +17,13 @@ router = APIRouter()
 
 # What the SDK may use: no JWT, compressed forward_backward bodies, everything else the plain way.
 CLIENT_CONFIG = {
-    "pjwt_auth_enabled": False, "proto_compress_fwdbwd": True, "use_pyqwest_transport": False,
-    "sample_use_retrieve_futures": False, "custom_loss_server_side": False, "sample_join_sampling_session": False,
-}  # fmt: skip
+    "pjwt_auth_enabled": False,
+    "proto_compress_fwdbwd": True,
+    "use_pyqwest_transport": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
 
 
 @router.get("/api/v1/healthz")
@@ -45,8 +49,16 @@ async def dynamic_config(request: Request, ctx: Ctx):
 async def capabilities(request: Request, ctx: Ctx):
     ctx.owner(request)
     cfg = ctx.cfg
-    return {"supported_models": [{"model_name": cfg.base_model, "max_context_length": cfg.max_sequence_tokens,
-                                  "trainable": True, "sampleable": cfg.sample_url is not None}]}  # fmt: skip
+    return {
+        "supported_models": [
+            {
+                "model_name": cfg.base_model,
+                "max_context_length": cfg.max_sequence_tokens,
+                "trainable": True,
+                "sampleable": cfg.sample_url is not None,
+            }
+        ]
+    }
 
 
 @router.post("/api/v1/telemetry")
@@ -97,8 +109,10 @@ async def list_sessions(request: Request, ctx: Ctx):
 async def get_session(session_id: str, request: Request, ctx: Ctx):
     who = ctx.owner(request)
     ctx.own_session(who, session_id)
-    return {"training_run_ids": [P.run_id_for(m) for m in ctx.store.session_models(session_id)],
-            "sampler_ids": ctx.store.session_samplers(session_id)}  # fmt: skip
+    return {
+        "training_run_ids": [P.run_id_for(m) for m in ctx.store.session_models(session_id)],
+        "sampler_ids": ctx.store.session_samplers(session_id),
+    }
 
 
 def release_session(ctx: ApiContext, who: str, session_id: str, reason: dict) -> None:

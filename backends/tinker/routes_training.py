@@ -81,8 +81,9 @@ async def _decode_forward_backward(request: Request, ctx: ApiContext):
     cfg = ctx.cfg
     try:
         data = decompress(body, request.headers.get("content-encoding"), cfg.max_request_bytes)
-        return decode_forward_backward(data, max_datums=cfg.max_datums_per_request,
-                                       max_tokens=cfg.max_sequence_tokens, vocab_size=ctx.vocab_limit)  # fmt: skip
+        return decode_forward_backward(
+            data, max_datums=cfg.max_datums_per_request, max_tokens=cfg.max_sequence_tokens, vocab_size=ctx.vocab_limit
+        )
     except WireError as err:
         raise HttpError(err.status, str(err)) from None
 

@@ -25,9 +25,8 @@ NOT_SUPPORTED = {
 # Refusals that point to what to use instead (POST only, as the SDK sends them).
 USE_INSTEAD = {
     "/api/v1/forward": "/api/v1/forward (JSON) is not served: use forward_backward with forward_only (tinker SDK >= 0.25)",
-    "/api/v1/save_weights_external":
-        "save_weights_external is not supported; use save_weights_for_sampler (PEFT directories under the server's storage)",
-}  # fmt: skip
+    "/api/v1/save_weights_external": "save_weights_external is not supported; use save_weights_for_sampler (PEFT directories under the server's storage)",
+}
 
 
 def _refusal(message: str):
@@ -41,5 +40,9 @@ def _refusal(message: str):
 for _path, _message in USE_INSTEAD.items():
     router.add_api_route(_path, _refusal(_message), methods=["POST"])
 for _path, _what in NOT_SUPPORTED.items():
-    router.add_api_route(_path, _refusal(f"{_what} is not supported by this server"),
-                         methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)  # fmt: skip
+    router.add_api_route(
+        _path,
+        _refusal(f"{_what} is not supported by this server"),
+        methods=["GET", "POST", "PUT", "DELETE"],
+        include_in_schema=False,
+    )

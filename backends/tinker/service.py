@@ -147,7 +147,9 @@ class Trainer(threading.Thread):
             except Exception:  # never kill the thread: every job of the round gets an error
                 log.exception("trainer round failed")
                 for job in [j for group in rounds for j in group]:
-                    self.service.finish_error(job.request_id, "internal error in the trainer (see server log)", "Server")
+                    self.service.finish_error(
+                        job.request_id, "internal error in the trainer (see server log)", "Server"
+                    )
 
     # --------------------------------------------------------------------------- scheduling
 
@@ -185,8 +187,11 @@ class Trainer(threading.Thread):
             run = [job]
             forward_only = job.body.forward_only
             # consecutive chunks of the same kind join the same pass
-            while (nxt := self.last_seq[model_id] + 1) in queue and queue[nxt].kind == "forward_backward" \
-                    and queue[nxt].body.forward_only == forward_only:  # fmt: skip
+            while (
+                (nxt := self.last_seq[model_id] + 1) in queue
+                and queue[nxt].kind == "forward_backward"
+                and queue[nxt].body.forward_only == forward_only
+            ):
                 run.append(queue.pop(nxt))
                 self._advance(model_id, nxt)
             if not self.service.config.batch_adapters:
@@ -230,10 +235,13 @@ class Trainer(threading.Thread):
                 self.service.finish_error(job.request_id, f"model {fb.model_id} is not loaded")
                 continue
             datums = [
-                DatumIn(d.tokens, d.inputs["target_tokens"].tolist(),
-                        {k: v for k, v in d.inputs.items() if k != "target_tokens"})
+                DatumIn(
+                    d.tokens,
+                    d.inputs["target_tokens"].tolist(),
+                    {k: v for k, v in d.inputs.items() if k != "target_tokens"},
+                )
                 for d in fb.data
-            ]  # fmt: skip
+            ]
             config = {k: v for k, v in fb.config.items()}
             runnable.append(job)
             items.append(WorkItem(fb.model_id, datums, fb.loss_fn, config))
@@ -337,8 +345,12 @@ class TinkerService:
     def _default_engine(self):
         from backends.tinker.lora_engine import LoraEngine
 
-        return LoraEngine(self.config.model_dir, self.config.max_lora_rank, self.config.max_live_adapters,
-                          self.config.max_batch_tokens)  # fmt: skip
+        return LoraEngine(
+            self.config.model_dir,
+            self.config.max_lora_rank,
+            self.config.max_live_adapters,
+            self.config.max_batch_tokens,
+        )
 
     def start(self) -> None:
         self.trainer.start()

@@ -125,14 +125,33 @@ class Store:
 
     # -------------------------------------------------------------------------------- models
 
-    def add_model(self, model_id: str, run_id: str, owner: str, session_id: str, base_model: str, rank: int,
-                  config: dict, user_metadata: dict | None) -> None:  # fmt: skip
+    def add_model(
+        self,
+        model_id: str,
+        run_id: str,
+        owner: str,
+        session_id: str,
+        base_model: str,
+        rank: int,
+        config: dict,
+        user_metadata: dict | None,
+    ) -> None:
         now = time.time()
         self._exec(
             "INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'live')",
-            (model_id, run_id, owner, session_id, base_model, rank, json.dumps(config),
-             json.dumps(user_metadata or {}), now, now),
-        )  # fmt: skip
+            (
+                model_id,
+                run_id,
+                owner,
+                session_id,
+                base_model,
+                rank,
+                json.dumps(config),
+                json.dumps(user_metadata or {}),
+                now,
+                now,
+            ),
+        )
 
     def model(self, model_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM models WHERE model_id = ?", (model_id,))
@@ -141,7 +160,9 @@ class Store:
         return self._one("SELECT * FROM models WHERE run_id = ?", (run_id,))
 
     def models(self, owner: str, limit: int = 100, offset: int = 0) -> list[sqlite3.Row]:
-        return self._all("SELECT * FROM models WHERE owner = ? ORDER BY created LIMIT ? OFFSET ?", (owner, limit, offset))
+        return self._all(
+            "SELECT * FROM models WHERE owner = ? ORDER BY created LIMIT ? OFFSET ?", (owner, limit, offset)
+        )
 
     def count_models(self, owner: str) -> int:
         return int(self._one("SELECT COUNT(*) FROM models WHERE owner = ?", (owner,))[0])
@@ -162,7 +183,9 @@ class Store:
 
     # ------------------------------------------------------------------------------ samplers
 
-    def add_sampler(self, sampler_id: str, owner: str, session_id: str, base_model: str, model_path: str | None) -> None:
+    def add_sampler(
+        self, sampler_id: str, owner: str, session_id: str, base_model: str, model_path: str | None
+    ) -> None:
         self._exec(
             "INSERT OR IGNORE INTO samplers VALUES (?, ?, ?, ?, ?, ?)",
             (sampler_id, owner, session_id, base_model, model_path, time.time()),
@@ -173,8 +196,16 @@ class Store:
 
     # ------------------------------------------------------------------------------- futures
 
-    def submit(self, owner: str, kind: str, payload: bytes | None, *, model_id: str | None = None,
-               seq_id: int | None = None, dedup: str | None = None) -> tuple[int, bool]:  # fmt: skip
+    def submit(
+        self,
+        owner: str,
+        kind: str,
+        payload: bytes | None,
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        dedup: str | None = None,
+    ) -> tuple[int, bool]:
         """A new pending future, or (for a repeated ``dedup`` key) the existing one: (id, is_new)."""
         with self._lock:
             if dedup is not None:
@@ -192,8 +223,18 @@ class Store:
         row = self._one("SELECT * FROM futures WHERE request_id = ?", (request_id,))
         if row is None:
             return None
-        return Future(row["request_id"], row["owner"], row["kind"], row["model_id"], row["seq_id"], row["payload"],
-                      row["status"], row["result"], row["result_type"], row["created"])  # fmt: skip
+        return Future(
+            row["request_id"],
+            row["owner"],
+            row["kind"],
+            row["model_id"],
+            row["seq_id"],
+            row["payload"],
+            row["status"],
+            row["result"],
+            row["result_type"],
+            row["created"],
+        )
 
     def pending(self) -> list[Future]:
         rows = self._all("SELECT request_id FROM futures WHERE status = ? ORDER BY request_id", (PENDING,))
@@ -222,8 +263,9 @@ class Store:
 
     # --------------------------------------------------------------------------- checkpoints
 
-    def add_checkpoint(self, run_id: str, kind: str, name: str, owner: str, directory: str, size: int,
-                       has_optimizer: bool) -> None:  # fmt: skip
+    def add_checkpoint(
+        self, run_id: str, kind: str, name: str, owner: str, directory: str, size: int, has_optimizer: bool
+    ) -> None:
         self._exec(
             "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (run_id, kind, name, owner, directory, time.time(), size, int(has_optimizer)),

@@ -101,7 +101,9 @@ def _tensor(name: str, msg) -> np.ndarray:
     if array.ndim == 2 and array.shape[0] == 1:  # a sparse row vector
         array = array[0]
     if array.ndim != 1:
-        raise WireError(f"loss_fn_inputs[{name!r}]: only 1-D (per-token) inputs are supported, got shape {list(array.shape)}")
+        raise WireError(
+            f"loss_fn_inputs[{name!r}]: only 1-D (per-token) inputs are supported, got shape {list(array.shape)}"
+        )
     return array
 
 
@@ -129,7 +131,9 @@ def decode_forward_backward(
     if not msg.data:
         raise WireError("no datums")
     if len(msg.data) > max_datums:
-        raise WireError(f"{len(msg.data)} datums is over the limit of {max_datums} (tinker.max_datums_per_request)", 413)
+        raise WireError(
+            f"{len(msg.data)} datums is over the limit of {max_datums} (tinker.max_datums_per_request)", 413
+        )
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         which = value.WhichOneof("value")
@@ -176,7 +180,9 @@ def _batched(arrays: list[np.ndarray], dtype_code: int, np_dtype):
     return pb.BatchedTensor(data=b"".join(p.tobytes() for p in parts), offsets=offsets.tobytes(), dtype=dtype_code)
 
 
-def encode_forward_backward_output(fields: dict[str, list[np.ndarray]], num_datums: int, metrics: dict[str, float]) -> bytes:
+def encode_forward_backward_output(
+    fields: dict[str, list[np.ndarray]], num_datums: int, metrics: dict[str, float]
+) -> bytes:
     """``ForwardBackwardOutput``: one ArrayRecord with float32 per-datum arrays per field."""
     pb = _pb()
     record = pb.ArrayRecord(num_datums=num_datums)
@@ -197,10 +203,10 @@ def decode_forward_backward_output(data: bytes):
         for name, bt in record.fields.items():
             offsets = np.frombuffer(bt.offsets, dtype=np.int64)
             buf = np.frombuffer(bt.data, dtype=np.float32)
-            fields.setdefault(name, []).extend(buf[offsets[i] // 4 : offsets[i + 1] // 4] for i in range(len(offsets) - 1))
+            fields.setdefault(name, []).extend(
+                buf[offsets[i] // 4 : offsets[i + 1] // 4] for i in range(len(offsets) - 1)
+            )
     return fields, dict(out.metrics)
-
-
 
 
 @dataclass
@@ -233,11 +239,13 @@ def proto_result_as_json(kind: str, data: bytes) -> dict:
         msg.ParseFromString(data)
         out: dict = {"type": "sample", "sequences": []}
         for seq in msg.sequences:
-            out["sequences"].append({
-                "stop_reason": "length" if seq.stop_reason == pb.STOP_REASON_LENGTH else "stop",
-                "tokens": np.frombuffer(seq.tokens, dtype=np.int32).tolist(),
-                "logprobs": np.frombuffer(seq.logprobs, dtype=np.float32).tolist() if seq.logprobs else None,
-            })  # fmt: skip
+            out["sequences"].append(
+                {
+                    "stop_reason": "length" if seq.stop_reason == pb.STOP_REASON_LENGTH else "stop",
+                    "tokens": np.frombuffer(seq.tokens, dtype=np.int32).tolist(),
+                    "logprobs": np.frombuffer(seq.logprobs, dtype=np.float32).tolist() if seq.logprobs else None,
+                }
+            )
         if msg.HasField("prompt_logprobs"):
             values = np.frombuffer(msg.prompt_logprobs, dtype=np.float32).tolist()
             out["prompt_logprobs"] = [None if math.isnan(v) else v for v in values]
@@ -245,7 +253,10 @@ def proto_result_as_json(kind: str, data: bytes) -> dict:
     fields, metrics = decode_forward_backward_output(data)
     n = len(next(iter(fields.values()))) if fields else 0
     outputs = [
-        {name: {"data": arrays[i].tolist(), "dtype": "float32", "shape": [len(arrays[i])]} for name, arrays in fields.items()}
+        {
+            name: {"data": arrays[i].tolist(), "dtype": "float32", "shape": [len(arrays[i])]}
+            for name, arrays in fields.items()
+        }
         for i in range(n)
     ]
     return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": metrics}

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from skyrl_contracts.events import EventWriter
-from skyrl_contracts.schema import Recipe
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.schema import Recipe
 
 PROCESS_NAME = "trainer"
 

@@ -46,7 +46,9 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.T
 
 
 @torch.no_grad()
-def greedy_responses(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, device, synced: bool = False) -> list[str]:
+def greedy_responses(
+    model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, device, synced: bool = False
+) -> list[str]:
     """Decoded greedy continuations (special tokens removed) of a batch of prompt token ids."""
     ids, mask = _left_padded(prompts, tokenizer.pad_token_id)
     out = model.generate(
@@ -74,7 +76,9 @@ def eval_accuracy(
 ) -> float:
     """Mean score of greedy responses to the held-out prompts (all ranks; same value everywhere)."""
     mine = sorted(items[dist.rank :: dist.world_size], key=lambda it: len(it.prompt_ids))
-    n_batches = math.ceil(math.ceil(len(items) / dist.world_size) / batch_size) if synced else math.ceil(len(mine) / batch_size)
+    n_batches = (
+        math.ceil(math.ceil(len(items) / dist.world_size) / batch_size) if synced else math.ceil(len(mine) / batch_size)
+    )
     was_training = model.training
     model.eval()
     total = 0.0
@@ -83,7 +87,9 @@ def eval_accuracy(
         if not chunk:  # ZeRO-3: keep generating in step with the other ranks, score nothing
             greedy_responses(model, tokenizer, [items[0].prompt_ids], max_new_tokens, dist.device, synced)
             continue
-        responses = greedy_responses(model, tokenizer, [it.prompt_ids for it in chunk], max_new_tokens, dist.device, synced)
+        responses = greedy_responses(
+            model, tokenizer, [it.prompt_ids for it in chunk], max_new_tokens, dist.device, synced
+        )
         total += sum(scorer(r, it) for r, it in zip(responses, chunk))
     model.train(was_training)
     total, count = all_reduce_sum([total, len(mine)], dist.device)

@@ -36,7 +36,11 @@ class MicroBatch:
 
     def to(self, device) -> "MicroBatch":
         return MicroBatch(
-            self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device), self.real_tokens, self.is_padding
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.labels.to(device),
+            self.real_tokens,
+            self.is_padding,
         )
 
 

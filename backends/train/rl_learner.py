@@ -83,7 +83,15 @@ class Update:
 
 
 # Policy metrics reported per update as well (train/update<k>/<name>) when a step has several.
-PER_UPDATE_METRICS = ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_max", "ratio_min")
+PER_UPDATE_METRICS = (
+    "clip_frac",
+    "clip_frac_low",
+    "clip_frac_high",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "ratio_min",
+)
 
 
 def sample_rows(samples, advantages: torch.Tensor) -> list[tuple[list[int], list[float], list[float], list[float]]]:
@@ -159,16 +167,23 @@ def reduce_metrics(metrics: dict[str, float], device) -> dict[str, float]:
 
 
 class Learner:
-    def __init__(self, run_dir: Path, init_from: Path, resume: bool, nccl: NcclTarget | None = None, engine_dtype: str = "bfloat16"):
+    def __init__(
+        self,
+        run_dir: Path,
+        init_from: Path,
+        resume: bool,
+        nccl: NcclTarget | None = None,
+        engine_dtype: str = "bfloat16",
+    ):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
-        from skyrl_contracts.exchange import RunExchange
         from backends.models.loading import torch_dtype
         from backends.models.tokenizer import load_tokenizer
         from backends.quant.fake_quant import maybe_prepare_qat
         from backends.train.engine import init_distributed, make_engine
         from backends.train.schedule import schedule
+        from skyrl_contracts.exchange import RunExchange
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.run_dir = run_dir
@@ -185,14 +200,20 @@ class Learner:
         torch.manual_seed(recipe.seed)
         dtype = torch_dtype(recipe.model, self.dist.device.type)
         bf16 = dtype == torch.bfloat16
-        model = maybe_prepare_qat(AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype), recipe.quantization, self.say)
+        model = maybe_prepare_qat(
+            AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype), recipe.quantization, self.say
+        )
         self.lora = recipe.model.lora
         if self.lora is not None:
             model = self._with_adapter(model)
         self.reference = None  # with LoRA the reference is the policy with its adapter disabled
         if rl.kl.coef > 0 and self.lora is None:
             # under INT4 QAT the reference has the policy's numerics too, so the KL measures drift, not rounding
-            reference = maybe_prepare_qat(AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype), recipe.quantization, lambda _said: None)
+            reference = maybe_prepare_qat(
+                AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype),
+                recipe.quantization,
+                lambda _said: None,
+            )
             self.reference = reference.to(self.dist.device).eval()
             self.reference.requires_grad_(False)
         self.engine, self.scheduler = make_engine(
@@ -233,7 +254,9 @@ class Learner:
 
         host, _, port = nccl.address.rpartition(":")
         module = self.engine.module  # HF parameter names; ZeRO 0-2 keep full weights on rank 0
-        syncer, why = open_weight_syncer(self.dist.device.type, nccl.engine_urls, nccl.tensor_parallel, module, host, int(port))
+        syncer, why = open_weight_syncer(
+            self.dist.device.type, nccl.engine_urls, nccl.tensor_parallel, module, host, int(port)
+        )
         if syncer is None:
             self.say(f"NCCL weight transfer unavailable ({why}); weights go through the disk path")
             return None
@@ -248,7 +271,9 @@ class Learner:
         if checkpoint is None:
             return 0
         if checkpoint != paths.latest_checkpoint():
-            self.say(f"{paths.latest_checkpoint()} has no orchestrator state (killed before it was written); not resuming from it")
+            self.say(
+                f"{paths.latest_checkpoint()} has no orchestrator state (killed before it was written); not resuming from it"
+            )
         step = int(load_checkpoint(self.engine, checkpoint)["step"])
         self.say(f"resumed from {checkpoint} at step {step}")
         return step
@@ -267,7 +292,9 @@ class Learner:
         updates = []
         for members in group_slices([s.prompt_uid for s in samples], self.rl.mini_batches):
             mine_rows = [rows[i] for i in members]
-            layout = dynamic_layout([len(r[0]) for r in mine_rows], self.dist.world_size, self.rl.max_tokens_per_microbatch, "padded")
+            layout = dynamic_layout(
+                [len(r[0]) for r in mine_rows], self.dist.world_size, self.rl.max_tokens_per_microbatch, "padded"
+            )
             mine = [collate_rows([mine_rows[i] for i in mb], self.pad_id) for mb in layout.per_rank[self.dist.rank]]
             mine += [padding_tensors(self.pad_id)] * layout.padding_microbatches(self.dist.rank)
             normalizer = LossNormalizer(
@@ -307,12 +334,16 @@ class Learner:
         rl = self.rl
         logprobs = self._logprobs(self.engine, mb)
         proximal = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        correction = off_policy_correction(proximal, mb.rollout_logprobs, mb.loss_mask, rl.async_.off_policy, normalizer)
+        correction = off_policy_correction(
+            proximal, mb.rollout_logprobs, mb.loss_mask, rl.async_.off_policy, normalizer
+        )
         if rl.loss.ratio == "rollout":  # the ratio against the sampler carries the correction itself
             old, is_weights = mb.rollout_logprobs, None
         else:
             old, is_weights = proximal, correction.is_weights
-        loss, loss_metrics = policy_loss(logprobs, old, mb.advantages, correction.loss_mask, rl.loss, normalizer, is_weights=is_weights)
+        loss, loss_metrics = policy_loss(
+            logprobs, old, mb.advantages, correction.loss_mask, rl.loss, normalizer, is_weights=is_weights
+        )
         merge_metrics(metrics, loss_metrics)
         merge_metrics(metrics, correction.metrics)
         if first_epoch:  # each sample once; vs the proximal logprobs where there are any
@@ -321,9 +352,14 @@ class Learner:
             ref = self._reference_logprobs(mb)
             # the corrected mask: a sequence the geometric mask rejected gets no KL gradient either
             term, kl_metrics = kl_loss(
-                logprobs, ref, correction.loss_mask, coef=rl.kl.coef, estimator=rl.kl.estimator,
-                reduction="sequence_mean" if rl.loss.kind == "gspo" else rl.loss.reduction, normalizer=normalizer,
-            )  # fmt: skip
+                logprobs,
+                ref,
+                correction.loss_mask,
+                coef=rl.kl.coef,
+                estimator=rl.kl.estimator,
+                reduction="sequence_mean" if rl.loss.kind == "gspo" else rl.loss.reduction,
+                normalizer=normalizer,
+            )
             loss = loss + term
             merge_metrics(metrics, kl_metrics)
         return loss
@@ -423,7 +459,9 @@ class Learner:
             tdist.barrier()  # every rank reads LATEST before anyone publishes: all take the same branch
         if self.exchange.latest_version() != self.start_step:
             self.publish(self.start_step)  # the orchestrator's starting point (also after a resume)
-        self.say(f"learner ready: world {self.dist.world_size}, ZeRO-{self.recipe.trainer.zero_stage}, from step {self.start_step}")
+        self.say(
+            f"learner ready: world {self.dist.world_size}, ZeRO-{self.recipe.trainer.zero_stage}, from step {self.start_step}"
+        )
         for step in range(self.start_step, rl.steps):
             t0 = time.perf_counter()
             batch = self.exchange.read_batch(step, timeout_s=BATCH_TIMEOUT_S)
@@ -457,7 +495,9 @@ class Learner:
             if (rl.save_every and (step + 1) % rl.save_every == 0) or step + 1 == rl.steps:
                 self.checkpoint(step + 1)
             if self.dist.is_main:
-                self.exchange.drop_batch(step)  # old weights are pruned by the orchestrator, which knows what engines use
+                self.exchange.drop_batch(
+                    step
+                )  # old weights are pruned by the orchestrator, which knows what engines use
         if self.events:
             self.events.close()
 
@@ -502,7 +542,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-urls", default="", help="nccl: comma-separated engines to send to")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="nccl: GPUs per engine")
     parser.add_argument("--nccl-address", default="", help="nccl: host:port of the NCCL group's rendezvous")
-    parser.add_argument("--engine-dtype", default="bfloat16", help="the engines' dtype: the bound of the sync-gap check")
+    parser.add_argument(
+        "--engine-dtype", default="bfloat16", help="the engines' dtype: the bound of the sync-gap check"
+    )
     args = parser.parse_args(argv)
     nccl = None
     if args.weight_sync == "nccl":

@@ -21,8 +21,8 @@ import torch
 
 from backends.train.common import HFExporter, load_recipe, open_events, say
 from skyrl_contracts.atomic import publish_dir
-from skyrl_contracts.schema import Recipe
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.schema import Recipe
 
 
 class Window:
@@ -107,8 +107,10 @@ class SFTTrainer:
         self.tokenizer = load_tokenizer_for(recipe.model, source.alphabet())
         shard = (dist.rank, dist.world_size)
         self.data = data = build_sft_data(source, self.tokenizer, recipe.data, shard=shard, gather=all_gather_list)
-        self.say(f"data: {len(data.train)} train / {len(data.eval)} eval sequences ({data.dropped} dropped) "
-                 f"in {time.perf_counter() - self.started:.1f}s")  # fmt: skip
+        self.say(
+            f"data: {len(data.train)} train / {len(data.eval)} eval sequences ({data.dropped} dropped) "
+            f"in {time.perf_counter() - self.started:.1f}s"
+        )
 
     def _build_engine(self) -> None:
         from backends.models.loading import load_model, torch_dtype
@@ -161,7 +163,9 @@ class SFTTrainer:
         micro_batches = rank_micro_batches(batch, layout, dist.rank, self.tokenizer.pad_token_id)
         loss_tokens = sum(ex.loss_tokens for ex in batch)
         lr = self.scheduler.get_last_lr()[0]
-        self.window.add(optimizer_step(self.engine, micro_batches, loss_tokens, dist.world_size), loss_tokens, lengths, layout)
+        self.window.add(
+            optimizer_step(self.engine, micro_batches, loss_tokens, dist.world_size), loss_tokens, lengths, layout
+        )
         return lr, layout, lengths
 
     def log_window(self, done: int, lr: float, layout, lengths: list[int]) -> None:
@@ -184,8 +188,10 @@ class SFTTrainer:
         }
         if self.events:
             self.events.log(done, metrics)
-        self.say(f"step {done}/{sft.steps}: loss {metrics['train/loss']:.4f} lr {lr:.2e} "
-                 f"tokens/s {metrics['train/tokens_per_s']:,.0f}")  # fmt: skip
+        self.say(
+            f"step {done}/{sft.steps}: loss {metrics['train/loss']:.4f} lr {lr:.2e} "
+            f"tokens/s {metrics['train/tokens_per_s']:,.0f}"
+        )
         window.reset()
 
     def evaluate(self, step: int) -> float:
@@ -195,11 +201,18 @@ class SFTTrainer:
         module, data, tokenizer = self.engine.module, self.data, self.tokenizer
         loss = eval_loss(module, data.eval, self.dist, self.sft.max_tokens_per_microbatch, tokenizer.pad_token_id)
         accuracy = eval_accuracy(
-            module, tokenizer, data.eval_items, data.scorer, data.max_new_tokens, self.dist,
+            module,
+            tokenizer,
+            data.eval_items,
+            data.scorer,
+            data.max_new_tokens,
+            self.dist,
             synced=self.trainer.zero_stage == 3,
-        )  # fmt: skip
+        )
         if self.events:
-            self.events.log(step, {"eval/loss": loss, "eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0})
+            self.events.log(
+                step, {"eval/loss": loss, "eval/accuracy": accuracy, "timing/eval_s": time.perf_counter() - t0}
+            )
         self.say(f"step {step}: eval loss {loss:.4f} accuracy {accuracy:.4f}")
         return accuracy
 

@@ -30,7 +30,17 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 
 from common import fmt, machine, ratio, rl_spec, spread, table, write_spec  # noqa: E402
-from skyrl_side import SKYRL, accuracy_curve, peers_env, peers_python, phases, prepare, run_measured, skyrl_events, time_to  # noqa: E402
+from skyrl_side import (
+    SKYRL,
+    accuracy_curve,
+    peers_env,
+    peers_python,
+    phases,
+    prepare,
+    run_measured,
+    skyrl_events,
+    time_to,
+)  # noqa: E402
 
 SIDES = ("skyrl-sync", "skyrl-async", "trl")
 
@@ -42,8 +52,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--gain", type=float, default=0.10, help="accuracy gain whose wall time is compared")
-    p.add_argument("--sft-model", type=Path, default=None, help="an SFT output of the shared initial model (default: run skyrl sft once)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override (both sides)")
+    p.add_argument(
+        "--sft-model",
+        type=Path,
+        default=None,
+        help="an SFT output of the shared initial model (default: run skyrl sft once)",
+    )
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override (both sides)"
+    )
     p.add_argument("--trl-threads", type=int, default=None, help="torch threads of the TRL process (default: torch's)")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -60,7 +77,19 @@ def sft_model(args, recipe_file: Path, work: Path) -> Path:
     run_dir = work / "sft"
     if not (run_dir / "final" / "config.json").exists():
         print("training the shared SFT checkpoint once (skyrl sft) ...", flush=True)
-        run_measured([SKYRL, "sft", str(recipe_file), "--run-dir", str(run_dir), "--overwrite", "--quiet", *sum((["--set", s] for s in args.sets), [])], work / "sft.log")
+        run_measured(
+            [
+                SKYRL,
+                "sft",
+                str(recipe_file),
+                "--run-dir",
+                str(run_dir),
+                "--overwrite",
+                "--quiet",
+                *sum((["--set", s] for s in args.sets), []),
+            ],
+            work / "sft.log",
+        )
     return run_dir / "final"
 
 
@@ -77,7 +106,16 @@ def export_rl_rows(recipe, work: Path) -> str:
 
 def run_skyrl(mode: str, recipe_file: Path, sets: list[str], work: Path, rep: int, samples_per_step: int) -> dict:
     run_dir = work / f"skyrl-{mode}-{rep}"
-    argv = [SKYRL, "rl", str(recipe_file), "--run-dir", str(run_dir), "--overwrite", "--quiet", *(["--async"] if mode == "async" else [])]
+    argv = [
+        SKYRL,
+        "rl",
+        str(recipe_file),
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+        "--quiet",
+        *(["--async"] if mode == "async" else []),
+    ]
     for item in sets:
         argv += ["--set", item]
     m = run_measured(argv, work / f"skyrl-{mode}-{rep}.log")
@@ -100,10 +138,15 @@ def run_trl(spec_file: Path, work: Path, rep: int, threads: int | None, mini_bat
 def measures(r: dict, gain: float, samples: int) -> dict:
     curve = r["curve"]
     return {
-        "start_s": curve[0][0], "initial": curve[0][2], "final": curve[-1][2], "wall_s": r["wall_s"],
-        "to_gain_s": time_to(curve, curve[0][2] + gain), "samples_per_s": samples / r["wall_s"],
-        "rss_mb": r["peak_rss_bytes"] / 2**20, "load": r["load"]["median"],
-    }  # fmt: skip
+        "start_s": curve[0][0],
+        "initial": curve[0][2],
+        "final": curve[-1][2],
+        "wall_s": r["wall_s"],
+        "to_gain_s": time_to(curve, curve[0][2] + gain),
+        "samples_per_s": samples / r["wall_s"],
+        "rss_mb": r["peak_rss_bytes"] / 2**20,
+        "load": r["load"]["median"],
+    }
 
 
 def summarise(runs: dict[str, list[dict]], gain: float, samples: int) -> list[dict]:
@@ -127,15 +170,21 @@ def ratio_lines(rows: list[dict], gain: float) -> list[str]:
         f"{side} / trl: wall time to +{gain * 100:.0f} points {fmt(ratio(r['to_gain_s'], t['to_gain_s']))}x (below 1: skyrl faster), "
         f"samples/s {fmt(ratio(r['samples_per_s'], t['samples_per_s']))}x, start-up {fmt(ratio(r['start_s'], t['start_s']))}x, "
         f"final accuracy {fmt(r['final'], 3)} vs {fmt(t['final'], 3)}"
-        for side, r in by.items() if side != "trl"
-    ]  # fmt: skip
+        for side, r in by.items()
+        if side != "trl"
+    ]
 
 
 def setup(args):
     work = args.work or Path(tempfile.mkdtemp(prefix="peers-grpo-"))
     recipe, recipe_file, paths = prepare(work, args.sets)
     init_from = sft_model(args, recipe_file, work)
-    sets = [*args.sets, f"rl.init_from={init_from}", f"rl.eval_every={args.eval_every}", *([f"rl.steps={args.steps}"] if args.steps else [])]
+    sets = [
+        *args.sets,
+        f"rl.init_from={init_from}",
+        f"rl.eval_every={args.eval_every}",
+        *([f"rl.steps={args.steps}"] if args.steps else []),
+    ]
     recipe, recipe_file, paths = prepare(work, sets)
     spec = rl_spec(recipe)
     paths = {**paths, "sft_model_dir": str(init_from), "rl_train_jsonl": export_rl_rows(recipe, work)}
@@ -157,15 +206,29 @@ def main(argv=None) -> None:
                 r = run_skyrl(side.split("-")[1], recipe_file, sets, work, rep, spec.samples_per_step)
             runs[side].append(r)
             m = measures(r, args.gain, samples)
-            print(f"rep {rep} {side}: start-up {m['start_s']:.1f} s, accuracy {m['initial']:.3f} -> {m['final']:.3f}, "
-                  f"+{args.gain * 100:.0f} points at {fmt(m['to_gain_s'], 1)} s, {m['samples_per_s']:.1f} samples/s, wall {m['wall_s']:.1f} s, "
-                  f"peak RSS {m['rss_mb']:.0f} MiB, load {fmt(m['load'])} {r.get('phases', '')}", flush=True)  # fmt: skip
+            print(
+                f"rep {rep} {side}: start-up {m['start_s']:.1f} s, accuracy {m['initial']:.3f} -> {m['final']:.3f}, "
+                f"+{args.gain * 100:.0f} points at {fmt(m['to_gain_s'], 1)} s, {m['samples_per_s']:.1f} samples/s, wall {m['wall_s']:.1f} s, "
+                f"peak RSS {m['rss_mb']:.0f} MiB, load {fmt(m['load'])} {r.get('phases', '')}",
+                flush=True,
+            )
     rows = summarise(runs, args.gain, samples)
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "spec": spec.__dict__, "runs": runs, "summary": rows}, indent=1))
-    columns = [("side", "side", 0), ("start_s", "start-up s", 1), ("initial", "initial", 3), ("final", "final", 3),
-               ("to_gain_s", f"s to +{args.gain * 100:.0f} pts", 1), ("reached", "reached", 0), ("samples_per_s", "samples/s", 1),
-               ("wall_s", "wall s", 1), ("rss_mb", "peak MiB", 0), ("load", "load", 2)]  # fmt: skip
+        args.json.write_text(
+            json.dumps({"machine": machine(), "spec": spec.__dict__, "runs": runs, "summary": rows}, indent=1)
+        )
+    columns = [
+        ("side", "side", 0),
+        ("start_s", "start-up s", 1),
+        ("initial", "initial", 3),
+        ("final", "final", 3),
+        ("to_gain_s", f"s to +{args.gain * 100:.0f} pts", 1),
+        ("reached", "reached", 0),
+        ("samples_per_s", "samples/s", 1),
+        ("wall_s", "wall s", 1),
+        ("rss_mb", "peak MiB", 0),
+        ("load", "load", 2),
+    ]
     print(table(rows, columns))
     print("\n".join(ratio_lines(rows, args.gain)))
 

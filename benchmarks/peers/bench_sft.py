@@ -44,10 +44,14 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: the recipe's)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--target", type=float, default=0.40, help="held-out accuracy whose wall time is compared")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override (both sides)")
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override (both sides)"
+    )
     p.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--trl-threads", type=int, default=None, help="torch threads of the TRL process (default: torch's, all cores)")
+    p.add_argument(
+        "--trl-threads", type=int, default=None, help="torch threads of the TRL process (default: torch's, all cores)"
+    )
     p.add_argument("--quick", action="store_true", help="1 repetition of 60 steps, evaluation every 30")
     args = p.parse_args(argv)
     if args.quick:
@@ -69,7 +73,11 @@ def run_skyrl(recipe_file: Path, sets: list[str], work: Path, rep: int) -> dict:
     m = run_measured(argv, work / f"skyrl-sft-{rep}.log")
     events = skyrl_events(run_dir)
     rates = [v for _, _, v in events.get("train/tokens_per_s", [])]
-    return {**m, "curve": accuracy_curve(events, m["launched"]), "tokens_per_s": statistics.median(rates) if rates else None}
+    return {
+        **m,
+        "curve": accuracy_curve(events, m["launched"]),
+        "tokens_per_s": statistics.median(rates) if rates else None,
+    }
 
 
 def run_trl(variant: str, spec_file: Path, work: Path, rep: int, threads: int | None) -> dict:
@@ -83,14 +91,18 @@ def summarise(runs: dict[str, list[dict]], target: float) -> list[dict]:
     rows = []
     for side, results in runs.items():
         to_target = [time_to(r["curve"], target) for r in results]
-        rows.append({
-            "side": side, "tokens_per_s": spread([r["tokens_per_s"] for r in results])["median"],
-            "to_target_s": spread(to_target)["median"], "reached": f"{sum(t is not None for t in to_target)}/{len(results)}",
-            "final_acc": spread([r["curve"][-1][2] for r in results])["median"],
-            "wall_s": spread([r["wall_s"] for r in results])["median"],
-            "rss_mb": spread([r["peak_rss_bytes"] / 2**20 for r in results])["median"],
-            "load": spread([r["load"]["median"] for r in results])["median"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "side": side,
+                "tokens_per_s": spread([r["tokens_per_s"] for r in results])["median"],
+                "to_target_s": spread(to_target)["median"],
+                "reached": f"{sum(t is not None for t in to_target)}/{len(results)}",
+                "final_acc": spread([r["curve"][-1][2] for r in results])["median"],
+                "wall_s": spread([r["wall_s"] for r in results])["median"],
+                "rss_mb": spread([r["peak_rss_bytes"] / 2**20 for r in results])["median"],
+                "load": spread([r["load"]["median"] for r in results])["median"],
+            }
+        )
     return rows
 
 
@@ -123,16 +135,33 @@ def main(argv=None) -> None:
     runs: dict[str, list[dict]] = {side: [] for side in args.sides}
     for rep in range(args.reps):
         for side in args.sides:
-            r = run_skyrl(recipe_file, sets, work, rep) if side == "skyrl" else run_trl(side[4:], spec_file, work, rep, args.trl_threads)
+            r = (
+                run_skyrl(recipe_file, sets, work, rep)
+                if side == "skyrl"
+                else run_trl(side[4:], spec_file, work, rep, args.trl_threads)
+            )
             runs[side].append(r)
-            print(f"rep {rep} {side}: tokens/s {fmt(r['tokens_per_s'], 0)}, to {args.target:.2f}: {fmt(time_to(r['curve'], args.target), 1)} s, "
-                  f"final {r['curve'][-1][2]:.3f}, wall {r['wall_s']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
-                  f"load {fmt(r['load']['median'])}", flush=True)  # fmt: skip
+            print(
+                f"rep {rep} {side}: tokens/s {fmt(r['tokens_per_s'], 0)}, to {args.target:.2f}: {fmt(time_to(r['curve'], args.target), 1)} s, "
+                f"final {r['curve'][-1][2]:.3f}, wall {r['wall_s']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
+                f"load {fmt(r['load']['median'])}",
+                flush=True,
+            )
     rows = summarise(runs, args.target)
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "spec": spec.__dict__, "runs": runs, "summary": rows}, indent=1))
-    columns = [("side", "side", 0), ("tokens_per_s", "tokens/s", 0), ("to_target_s", f"s to {args.target:.2f}", 1), ("reached", "reached", 0),
-               ("final_acc", "final acc", 3), ("wall_s", "wall s", 1), ("rss_mb", "peak MiB", 0), ("load", "load", 2)]  # fmt: skip
+        args.json.write_text(
+            json.dumps({"machine": machine(), "spec": spec.__dict__, "runs": runs, "summary": rows}, indent=1)
+        )
+    columns = [
+        ("side", "side", 0),
+        ("tokens_per_s", "tokens/s", 0),
+        ("to_target_s", f"s to {args.target:.2f}", 1),
+        ("reached", "reached", 0),
+        ("final_acc", "final acc", 3),
+        ("wall_s", "wall s", 1),
+        ("rss_mb", "peak MiB", 0),
+        ("load", "load", 2),
+    ]
     print(table(rows, columns))
     print("\n".join(ratio_lines(rows)))
 

@@ -69,9 +69,18 @@ class RlSpec:
 def sft_spec(recipe, target_accuracy: float) -> SftSpec:
     s = recipe.sft
     return SftSpec(
-        recipe.seed, s.steps, s.batch_size, s.learning_rate, s.warmup_steps, s.schedule, s.min_lr_ratio,
-        s.weight_decay, s.grad_clip, s.eval_every, target_accuracy,
-    )  # fmt: skip
+        recipe.seed,
+        s.steps,
+        s.batch_size,
+        s.learning_rate,
+        s.warmup_steps,
+        s.schedule,
+        s.min_lr_ratio,
+        s.weight_decay,
+        s.grad_clip,
+        s.eval_every,
+        target_accuracy,
+    )
 
 
 def rl_spec(recipe) -> RlSpec:
@@ -81,10 +90,21 @@ def rl_spec(recipe) -> RlSpec:
     if r.loss.reduction != "token_mean" or r.dynamic_sampling.enabled or r.epochs != 1:
         raise ValueError("the TRL comparison needs rl.loss.reduction = token_mean, no dynamic sampling, rl.epochs = 1")
     return RlSpec(
-        recipe.seed, r.steps, r.prompts_per_step, r.samples_per_prompt, r.max_new_tokens, r.temperature,
-        r.learning_rate, r.warmup_steps, r.grad_clip, r.mini_batches, r.loss.eps_low, r.loss.eps_high,
-        r.kl.coef, r.eval_every,
-    )  # fmt: skip
+        recipe.seed,
+        r.steps,
+        r.prompts_per_step,
+        r.samples_per_prompt,
+        r.max_new_tokens,
+        r.temperature,
+        r.learning_rate,
+        r.warmup_steps,
+        r.grad_clip,
+        r.mini_batches,
+        r.loss.eps_low,
+        r.loss.eps_high,
+        r.kl.coef,
+        r.eval_every,
+    )
 
 
 def spec_from_json(path: Path) -> tuple[SftSpec | None, RlSpec | None, dict]:
@@ -104,10 +124,20 @@ def trl_common_kwargs(out_dir: str, seed: int, grad_clip: float, steps: int) -> 
     """What both TRL trainers get: one process on the CPU, no checkpoints, no reports, fp32 (the
     skyrl trainer's dtype on CPU). The optimizer and schedule are passed in (``trl_optimizer``)."""
     return {
-        "output_dir": out_dir, "max_steps": steps, "seed": seed, "data_seed": seed, "max_grad_norm": grad_clip,
-        "use_cpu": True, "bf16": False, "fp16": False, "save_strategy": "no", "report_to": [],
-        "logging_steps": 10, "dataloader_num_workers": 0, "disable_tqdm": True,
-    }  # fmt: skip
+        "output_dir": out_dir,
+        "max_steps": steps,
+        "seed": seed,
+        "data_seed": seed,
+        "max_grad_norm": grad_clip,
+        "use_cpu": True,
+        "bf16": False,
+        "fp16": False,
+        "save_strategy": "no",
+        "report_to": [],
+        "logging_steps": 10,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
 
 
 def trl_sft_kwargs(spec: SftSpec, variant: str, out_dir: str, mean_length: float) -> dict:
@@ -121,10 +151,15 @@ def trl_sft_kwargs(spec: SftSpec, variant: str, out_dir: str, mean_length: float
         raise ValueError(f"unknown TRL SFT variant {variant!r}; one of {', '.join(SFT_VARIANTS)}")
     kwargs = trl_common_kwargs(out_dir, spec.seed, spec.grad_clip, spec.steps)
     kwargs.update(
-        per_device_train_batch_size=spec.batch_size, gradient_accumulation_steps=1,
-        learning_rate=spec.learning_rate, weight_decay=spec.weight_decay, completion_only_loss=True,
-        padding_free=variant == "padding_free", packing=variant == "packing", max_length=1024,
-    )  # fmt: skip
+        per_device_train_batch_size=spec.batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=spec.learning_rate,
+        weight_decay=spec.weight_decay,
+        completion_only_loss=True,
+        padding_free=variant == "padding_free",
+        packing=variant == "packing",
+        max_length=1024,
+    )
     if variant == "padding_free":  # TRL refuses a max_length it would not enforce; rows are short anyway
         kwargs["max_length"] = None
     if variant == "packing":
@@ -146,13 +181,25 @@ def trl_grpo_kwargs(spec: RlSpec, out_dir: str) -> dict:
         raise ValueError("rl.mini_batches must split the step's samples into whole groups")
     kwargs = trl_common_kwargs(out_dir, spec.seed, spec.grad_clip, spec.steps * spec.mini_batches)
     kwargs.update(
-        learning_rate=spec.learning_rate, weight_decay=0.0,
-        per_device_train_batch_size=per_update, gradient_accumulation_steps=1,
-        steps_per_generation=spec.mini_batches, num_generations=spec.samples_per_prompt, num_iterations=1,
-        max_completion_length=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0, top_k=0,
-        epsilon=spec.eps_low, epsilon_high=spec.eps_high, beta=spec.kl_coef,
-        loss_type="dapo", scale_rewards="group", mask_truncated_completions=False, logging_steps=spec.mini_batches,
-    )  # fmt: skip
+        learning_rate=spec.learning_rate,
+        weight_decay=0.0,
+        per_device_train_batch_size=per_update,
+        gradient_accumulation_steps=1,
+        steps_per_generation=spec.mini_batches,
+        num_generations=spec.samples_per_prompt,
+        num_iterations=1,
+        max_completion_length=spec.max_new_tokens,
+        temperature=spec.temperature,
+        top_p=1.0,
+        top_k=0,
+        epsilon=spec.eps_low,
+        epsilon_high=spec.eps_high,
+        beta=spec.kl_coef,
+        loss_type="dapo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        logging_steps=spec.mini_batches,
+    )
     return kwargs
 
 
@@ -171,7 +218,9 @@ def derived_recipe_text(source: str, model_dir: str) -> str:
     out, n_init = re.subn(r"(?m)^init = \{[^}\n]*\}.*$", f"path = {json.dumps(model_dir)}", source)
     out, n_tok = re.subn(r'(?m)^tokenizer = "char".*$', 'tokenizer = "auto"', out)
     if (n_init, n_tok) != (1, 1):
-        raise ValueError("the recipe's [model] table no longer has one `init = {...}` and one `tokenizer = \"char\"` line")
+        raise ValueError(
+            'the recipe\'s [model] table no longer has one `init = {...}` and one `tokenizer = "char"` line'
+        )
     return out
 
 
@@ -189,7 +238,13 @@ def spread(values: Sequence[float | None]) -> dict:
     got = [v for v in values if v is not None]
     if not got:
         return {"median": None, "min": None, "max": None, "n": 0, "missing": len(values)}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got), "missing": len(values) - len(got)}
+    return {
+        "median": statistics.median(got),
+        "min": min(got),
+        "max": max(got),
+        "n": len(got),
+        "missing": len(values) - len(got),
+    }
 
 
 def ratio(subject: float | None, baseline: float | None) -> float | None:
@@ -208,12 +263,26 @@ def table(rows: Sequence[dict], columns: Sequence[tuple[str, str, int]]) -> str:
     for row in rows:
         cells.append([row[k] if isinstance(row.get(k), str) else fmt(row.get(k), d) for k, _, d in columns])
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells)
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells
+    )
 
 
 def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines() if line.startswith("model name")), platform.processor())
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": model, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version()}
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+    }
 
 
 def _read(path: str) -> str:

@@ -45,10 +45,14 @@ def export_rows(recipe, work: Path) -> dict:
     evals.write_text("".join(json.dumps(r) + "\n" for r in source.task_rows))
     sample = encode_conversations(load_tokenizer(recipe.model.path), source.train[:2000], recipe.data.loss_on)
     return {
-        "sft_train_jsonl": str(train), "eval_jsonl": str(evals), "task": recipe.data.task, "digits": recipe.data.digits,
+        "sft_train_jsonl": str(train),
+        "eval_jsonl": str(evals),
+        "task": recipe.data.task,
+        "digits": recipe.data.digits,
         "mean_length": sum(len(ex) for ex in sample) / len(sample),
-        "first_row_ids": list(sample[0].input_ids), "first_row_mask": list(sample[0].loss_mask),
-    }  # fmt: skip
+        "first_row_ids": list(sample[0].input_ids),
+        "first_row_mask": list(sample[0].loss_mask),
+    }
 
 
 def prepare(work: Path, sets: list[str]) -> tuple[object, Path, dict]:
@@ -81,8 +85,13 @@ def run_measured(argv: list[str], log: Path, env: dict | None = None) -> dict:
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-8:])
         raise SystemExit(f"{' '.join(argv)} failed (exit {rc}), log {log}:\n{tail}")
-    return {"launched": launched, "wall_s": time.time() - launched, "peak_rss_bytes": sampler.peak_sum,
-            "peak_rss_one_bytes": sampler.peak_one, "load": sampler.load}  # fmt: skip
+    return {
+        "launched": launched,
+        "wall_s": time.time() - launched,
+        "peak_rss_bytes": sampler.peak_sum,
+        "peak_rss_one_bytes": sampler.peak_one,
+        "load": sampler.load,
+    }
 
 
 def peers_python() -> str:
@@ -93,8 +102,13 @@ def peers_python() -> str:
 
 
 def peers_env(threads: int | None = None) -> dict:
-    return {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-            **({"OMP_NUM_THREADS": str(threads)} if threads else {})}  # fmt: skip
+    return {
+        "PYTHONPATH": str(REPO),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        **({"OMP_NUM_THREADS": str(threads)} if threads else {}),
+    }
 
 
 def skyrl_events(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
@@ -143,13 +157,20 @@ def phases(run_dir: Path, launched: float, samples_per_step: int = 256) -> dict:
     value = lambda name: med(v for _, _, v in events.get(name, []))  # noqa: E731
     gen = generation_seconds(raw)
     row = {
-        "interval_s": med(b - a for a, b in zip(learner_steps, learner_steps[1:])), "generate_s": med(gen),
-        "train_s": value("timing/train_s"), "publish_s": value("timing/publish_weights_s"),
-        "sync_s": value("timing/sync_weights_s"), "eval_s": value("timing/eval_s"),
+        "interval_s": med(b - a for a, b in zip(learner_steps, learner_steps[1:])),
+        "generate_s": med(gen),
+        "train_s": value("timing/train_s"),
+        "publish_s": value("timing/publish_weights_s"),
+        "sync_s": value("timing/sync_weights_s"),
+        "eval_s": value("timing/eval_s"),
         "response_len": value("rollout/response_len"),
         "start_s": min(t for t, _, _ in events["eval/accuracy"]) - launched,
-    }  # fmt: skip
+    }
     known = [row[k] for k in ("generate_s", "train_s", "publish_s", "sync_s")]
     row["rest_s"] = row["interval_s"] - sum(known) if row["interval_s"] is not None and None not in known else None
-    row["rollout_tok_s"] = samples_per_step * row["response_len"] / row["generate_s"] if row["generate_s"] and row["response_len"] else None
+    row["rollout_tok_s"] = (
+        samples_per_step * row["response_len"] / row["generate_s"]
+        if row["generate_s"] and row["response_len"]
+        else None
+    )
     return row

@@ -22,7 +22,10 @@ def task_reward(task):
     """The skyrl task's own reward (exact match against the right answer) as a TRL reward function."""
 
     def exact_match(completions, answer, **_):
-        return [task.reward(c[0]["content"] if isinstance(c, list) else c, {"answer": a}) for c, a in zip(completions, answer)]
+        return [
+            task.reward(c[0]["content"] if isinstance(c, list) else c, {"answer": a})
+            for c, a in zip(completions, answer)
+        ]
 
     return exact_match
 
@@ -37,9 +40,9 @@ def main(argv=None) -> None:
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
+    from trl_side import HeldOut, Timeline, load_model, optimizer_and_schedule, peak_rss_bytes, read_jsonl
 
     from backends.data.tasks import get_task
-    from trl_side import HeldOut, Timeline, load_model, optimizer_and_schedule, peak_rss_bytes, read_jsonl
 
     _, spec, paths = spec_from_json(args.spec)
     model, tokenizer = load_model(paths["sft_model_dir"])
@@ -61,11 +64,18 @@ def main(argv=None) -> None:
     train_s = timeline.train_seconds()
     samples = spec.steps * spec.samples_per_step
     result = timeline.result(
-        side="trl-grpo", optimizer_steps=trainer.state.global_step, samples=samples, train_s=train_s,
-        samples_per_s=samples / train_s, wall_s=time.time() - launched, peak_rss_bytes=peak_rss_bytes(),
-    )  # fmt: skip
+        side="trl-grpo",
+        optimizer_steps=trainer.state.global_step,
+        samples=samples,
+        train_s=train_s,
+        samples_per_s=samples / train_s,
+        wall_s=time.time() - launched,
+        peak_rss_bytes=peak_rss_bytes(),
+    )
     args.out.write_text(json.dumps(result))
-    print(f"trl-grpo: {result['samples_per_s']:.1f} samples/s, accuracy {timeline.curve[0][2]:.3f} -> {timeline.curve[-1][2]:.3f}, {result['wall_s']:.1f} s")
+    print(
+        f"trl-grpo: {result['samples_per_s']:.1f} samples/s, accuracy {timeline.curve[0][2]:.3f} -> {timeline.curve[-1][2]:.3f}, {result['wall_s']:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ class HeldOut:
         task = get_task(paths["task"], paths["digits"])
         rows = read_jsonl(paths["eval_jsonl"])
         chats = [task.prompt(r) + [{"role": "assistant", "content": r["answer"]}] for r in rows]
-        data = build_sft_data(SourceRows(chats[:1], chats, task, rows), tokenizer, DataConfig(task=paths["task"], digits=paths["digits"]))
+        data = build_sft_data(
+            SourceRows(chats[:1], chats, task, rows), tokenizer, DataConfig(task=paths["task"], digits=paths["digits"])
+        )
         self.items, self.scorer, self.max_new_tokens = data.eval_items, data.scorer, data.max_new_tokens
         self.tokenizer = tokenizer
         self.dist = Dist(0, 1, 0, torch.device("cpu"))

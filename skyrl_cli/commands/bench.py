@@ -37,9 +37,14 @@ def _routing_live(names, pressure, seed, calibrate, repeats, run_dir, as_json) -
         console.width = max(console.width, 150)
     config = LiveBenchConfig(policies=names, levels=levels, seed=seed, calibrate=calibrate, repeats=repeats)
     report = run_live_bench(
-        config, run_dir or "runs/bench-routing", lambda request: start_cluster(request, console.print), say=console.print,
-        on_level=lambda level: render_live_level(level, console, engines=LIVE_ENGINES, repeats=repeats,
-                                                 calibrate=calibrate))
+        config,
+        run_dir or "runs/bench-routing",
+        lambda request: start_cluster(request, console.print),
+        say=console.print,
+        on_level=lambda level: render_live_level(
+            level, console, engines=LIVE_ENGINES, repeats=repeats, calibrate=calibrate
+        ),
+    )
     if as_json:
         typer.echo(json.dumps(report, indent=2))
 
@@ -57,6 +62,7 @@ def _routing_simulated(config, as_json: bool, plot: str | None) -> None:
     total = len(config.pressures) * len(config.policies) * len(config.seeds)
     done = [0]
     with console.status(f"simulating {total} runs...") as status:
+
         def progress(result) -> None:
             done[0] += 1
             status.update(f"simulating: {done[0]}/{total} ({result.label}, {result.policy})")
@@ -69,7 +75,8 @@ def _routing_simulated(config, as_json: bool, plot: str | None) -> None:
             f"[bold]Simulated fully-async GRPO[/bold]: {config.replicas} replicas, "
             f"{workload.max_inflight_trajectories} trajectories in flight ({workload.max_inflight_groups} groups of "
             f"{workload.group_size}), ~{workload.turns_mean:g} turns, {workload.groups_per_step} groups per step, "
-            f"{workload.trainer_steps} steps of {workload.trainer_step_s:g} s, staleness {workload.max_staleness}.")
+            f"{workload.trainer_steps} steps of {workload.trainer_step_s:g} s, staleness {workload.max_staleness}."
+        )
         render_tables(rows, console)
     if plot:
         _write_plot(rows, plot, console)
@@ -86,15 +93,39 @@ def _write_plot(rows, plot: str, console) -> None:
     console.print(f"plot written to {path}")
 
 
-def _sweep_config(names, levels, replicas, trajectories, turns, group_size, groups_per_step, steps, trainer_step_s,
-                  staleness, seed, repeats):
+def _sweep_config(
+    names,
+    levels,
+    replicas,
+    trajectories,
+    turns,
+    group_size,
+    groups_per_step,
+    steps,
+    trainer_step_s,
+    staleness,
+    seed,
+    repeats,
+):
     from skyrl_cli.routing import sweep as sw
 
     workload = sw.with_overrides(
-        sw.WorkloadSpec(), group_size=group_size, max_inflight_groups=max(1, round(trajectories / group_size)),
-        turns_mean=turns, groups_per_step=groups_per_step, trainer_steps=steps, trainer_step_s=trainer_step_s, max_staleness=staleness)
-    config = sw.SweepConfig(replicas=replicas, workload=workload, policies=tuple(names), pressures=tuple(levels),
-                            seeds=tuple(range(seed, seed + (repeats or 3))))
+        sw.WorkloadSpec(),
+        group_size=group_size,
+        max_inflight_groups=max(1, round(trajectories / group_size)),
+        turns_mean=turns,
+        groups_per_step=groups_per_step,
+        trainer_steps=steps,
+        trainer_step_s=trainer_step_s,
+        max_staleness=staleness,
+    )
+    config = sw.SweepConfig(
+        replicas=replicas,
+        workload=workload,
+        policies=tuple(names),
+        pressures=tuple(levels),
+        seeds=tuple(range(seed, seed + (repeats or 3))),
+    )
     try:
         workload.validate()
         sw.kv_capacity_for(config, levels[0][1])
@@ -106,8 +137,9 @@ def _sweep_config(names, levels, replicas, trajectories, turns, group_size, grou
 # ------------------------------------------------------------------------------------------- command
 def routing(
     replicas: int = typer.Option(8, "--replicas", min=1, help="Inference replicas (engines)."),
-    trajectories: int = typer.Option(256, "--trajectories", min=1,
-                                     help="Trajectories generating at once (rounded to whole groups)."),
+    trajectories: int = typer.Option(
+        256, "--trajectories", min=1, help="Trajectories generating at once (rounded to whole groups)."
+    ),
     turns: float = typer.Option(40.0, "--turns", min=1, help="Mean model turns per trajectory."),
     group_size: int = typer.Option(8, "--group-size", min=1, help="GRPO samples per prompt."),
     groups_per_step: int = typer.Option(16, "--groups-per-step", min=1, help="Groups the trainer consumes per step."),
@@ -115,22 +147,31 @@ def routing(
     trainer_step_s: float = typer.Option(60.0, "--trainer-step-s", min=0, help="Simulated trainer step, seconds."),
     staleness: int = typer.Option(4, "--staleness", min=0, help="Max policy versions generation runs ahead."),
     pressure: str | None = typer.Option(
-        None, "--pressure", help="KV pressure levels: low, moderate, high, or numbers (KV capacity / working set); "
-        "default low,moderate,high (simulated), moderate (--live)."),
-    policies: str | None = typer.Option(None, "--policies",
-                                           help="Comma-separated policies (default: all)."),
+        None,
+        "--pressure",
+        help="KV pressure levels: low, moderate, high, or numbers (KV capacity / working set); "
+        "default low,moderate,high (simulated), moderate (--live).",
+    ),
+    policies: str | None = typer.Option(None, "--policies", help="Comma-separated policies (default: all)."),
     seed: int = typer.Option(0, "--seed", help="First seed."),
     repeats: int | None = typer.Option(
-        None, "--repeats", min=1, help="Simulated: seeds per cell, paired across policies (default 3). "
-        "--live: replays per policy, medians reported (default 1; 2 with --calibrate)."),
+        None,
+        "--repeats",
+        min=1,
+        help="Simulated: seeds per cell, paired across policies (default 3). "
+        "--live: replays per policy, medians reported (default 1; 2 with --calibrate).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print results as JSON instead of tables."),
     plot: str | None = typer.Option(None, "--plot", help="Write a PNG: throughput and p90 latency vs KV pressure."),
     live: bool = typer.Option(False, "--live", help="Replay a small workload on real vLLM engines behind vllm-router."),
-    calibrate: bool = typer.Option(False, "--calibrate",
-                                   help="Run the live replay and the simulator fitted to the engines; compare."),
-    run_dir: str | None = typer.Option(None, "--run-dir",
-                                          help="Where --live/--calibrate keep the model, logs and results "
-                                               "(default runs/bench-routing)."),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="Run the live replay and the simulator fitted to the engines; compare."
+    ),
+    run_dir: str | None = typer.Option(
+        None,
+        "--run-dir",
+        help="Where --live/--calibrate keep the model, logs and results (default runs/bench-routing).",
+    ),
 ) -> None:
     """Compare routing policies under KV-cache pressure (simulated; --live / --calibrate on real engines)."""
     from skyrl_cli.routing import sweep as sw
@@ -144,8 +185,20 @@ def routing(
     if live or calibrate:
         _routing_live(names, pressure, seed, calibrate, repeats, run_dir, as_json)
         return
-    config = _sweep_config(names, levels, replicas, trajectories, turns, group_size, groups_per_step, steps,
-                           trainer_step_s, staleness, seed, repeats)
+    config = _sweep_config(
+        names,
+        levels,
+        replicas,
+        trajectories,
+        turns,
+        group_size,
+        groups_per_step,
+        steps,
+        trainer_step_s,
+        staleness,
+        seed,
+        repeats,
+    )
     _routing_simulated(config, as_json, plot)
 
 

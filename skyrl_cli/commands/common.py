@@ -50,12 +50,18 @@ OutputMode = Literal["live", "quiet", "json"]
 RecipeArg = Annotated[str, typer.Argument(help="Recipe TOML file, or the name of a built-in recipe.", metavar="RECIPE")]
 SetOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--set", help="Override a recipe value, e.g. --set sft.steps=10 (repeatable).", metavar="KEY.PATH=VALUE"),
+    typer.Option(
+        "--set", help="Override a recipe value, e.g. --set sft.steps=10 (repeatable).", metavar="KEY.PATH=VALUE"
+    ),
 ]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: runs/<name>/<stage>).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the launch plan and exit; start nothing.")]
-ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the run directory.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Start again in a run directory that holds a previous run (deletes it).")]
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the run directory.")
+]
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Start again in a run directory that holds a previous run (deletes it).")
+]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No live view; print the final summary only.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print metric events as JSON lines on stdout (for scripts).")]
 GpusOpt = Annotated[
@@ -64,7 +70,11 @@ GpusOpt = Annotated[
 
 
 def load_for_run(
-    recipe: str, sets: list[str] | None, stage: str | None, gpu_count: int | None = None, machine: MachineFacts | None = None
+    recipe: str,
+    sets: list[str] | None,
+    stage: str | None,
+    gpu_count: int | None = None,
+    machine: MachineFacts | None = None,
 ) -> Recipe:
     """Resolve the recipe argument (file or built-in name), load it with the ``--set`` overrides and
     check that it has the section of the stage the command runs (``STAGE_SECTIONS``; other
@@ -123,8 +133,16 @@ def print_plan(plan, json_: bool = False) -> None:
 
 
 def run_job(
-    recipe: Recipe, plan, directory: Path, mode: OutputMode, *, stage: str, summary_extra: dict, resume: bool,
-    overwrite: bool, interrupt_hints: dict | None = None,
+    recipe: Recipe,
+    plan,
+    directory: Path,
+    mode: OutputMode,
+    *,
+    stage: str,
+    summary_extra: dict,
+    resume: bool,
+    overwrite: bool,
+    interrupt_hints: dict | None = None,
 ) -> dict:
     """Run a one-job plan (the SFT trainer, the quantizer): prepare the run directory, start the job
     under the supervisor, follow its events live, write summary.json (with ``summary_extra``). A
@@ -132,10 +150,10 @@ def run_job(
     (``interrupt_hints``: what its message tells the user to run next)."""
     import time
 
-    from skyrl_contracts.errors import LaunchError
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor, job_failure
     from skyrl_cli.metrics.follow import FollowedRun
+    from skyrl_contracts.errors import LaunchError
     from skyrl_contracts.rundir import RunDir
 
     RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)

@@ -59,7 +59,9 @@ def recipe_checks(recipe: Recipe, machine: MachineFacts, base_dir: Path, quick: 
     yield from network.check_remote_engines(recipe)
 
 
-def all_checks(recipe_arg: str | None, sets: list[str] | None, smoke: bool, smoke_timeout: float, quick: bool) -> Iterator[Check]:
+def all_checks(
+    recipe_arg: str | None, sets: list[str] | None, smoke: bool, smoke_timeout: float, quick: bool
+) -> Iterator[Check]:
     from skyrl_cli.doctor.checks import skipped
     from skyrl_cli.doctor.environment import environment_checks
     from skyrl_cli.doctor.smoke import check_engine_smoke
@@ -87,12 +89,19 @@ def register(app: typer.Typer) -> None:
     @app.command("doctor")
     def doctor(
         recipe: Annotated[
-            Optional[str], typer.Argument(help="Recipe TOML file or built-in name to check this machine against.", metavar="RECIPE")
+            Optional[str],
+            typer.Argument(help="Recipe TOML file or built-in name to check this machine against.", metavar="RECIPE"),
         ] = None,
         set_: common.SetOpt = None,
-        smoke: Annotated[bool, typer.Option("--smoke", help="Also start one real vLLM engine on the recipe's model and generate.")] = False,
-        smoke_timeout: Annotated[float, typer.Option("--smoke-timeout", min=1, help="Seconds the smoke test may take.")] = SMOKE_TIMEOUT_S,
-        quick: Annotated[bool, typer.Option("--quick", help="Skip the checks that start Python children (imports, gloo/NCCL).")] = False,
+        smoke: Annotated[
+            bool, typer.Option("--smoke", help="Also start one real vLLM engine on the recipe's model and generate.")
+        ] = False,
+        smoke_timeout: Annotated[
+            float, typer.Option("--smoke-timeout", min=1, help="Seconds the smoke test may take.")
+        ] = SMOKE_TIMEOUT_S,
+        quick: Annotated[
+            bool, typer.Option("--quick", help="Skip the checks that start Python children (imports, gloo/NCCL).")
+        ] = False,
         json_: Annotated[bool, typer.Option("--json", help="One JSON object per check.")] = False,
     ) -> None:
         """Pre-flight checks: Python and packages against the tested set, GPUs and their memory against the
@@ -107,6 +116,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(check.as_dict()) if json_ else check.line())
         bad = [check.name for check in checks if check.failed]
         if bad:
-            raise SkyrlError(f"{len(bad)} of {len(checks)} checks failed ({', '.join(dict.fromkeys(bad))}); the fix is under each")
+            raise SkyrlError(
+                f"{len(bad)} of {len(checks)} checks failed ({', '.join(dict.fromkeys(bad))}); the fix is under each"
+            )
         if not json_:
             typer.echo(f"doctor: all {len(checks)} checks passed or did not apply")

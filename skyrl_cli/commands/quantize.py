@@ -38,10 +38,10 @@ def register(app: typer.Typer) -> None:
         tokenizer), events.jsonl, logs/, summary.json; --int4-qat also checkpoints/ and final/
         (the full-precision weights it trained).
         """
-        from skyrl_contracts.errors import UsageError
         from skyrl_cli.plan.build import build_plan
         from skyrl_cli.plan.machine import detect_machine
         from skyrl_cli.plan.quantize import quantize_source, stage_recipe
+        from skyrl_contracts.errors import UsageError
 
         if int4_qat == ptq:
             raise UsageError("give one of --int4-qat (quantization-aware training) and --ptq (round-to-nearest)")
@@ -58,7 +58,9 @@ def register(app: typer.Typer) -> None:
         if not (source / "config.json").is_file():
             hint = f"; run `skyrl sft {recipe}` first" if loaded.quantization.init_from == "sft" else ""
             raise UsageError(f"quantization.init_from: no model at {source}{hint}")
-        summary = run_quantize(staged, plan, directory, mode, resume=resume, overwrite=overwrite, method="qat" if int4_qat else "ptq")
+        summary = run_quantize(
+            staged, plan, directory, mode, resume=resume, overwrite=overwrite, method="qat" if int4_qat else "ptq"
+        )
         if mode != "json":
             typer.echo(final_line(summary, directory))
 
@@ -67,7 +69,9 @@ def run_quantize(recipe, plan, directory: Path, mode, *, resume: bool, overwrite
     from skyrl_contracts.rundir import RunDir
 
     extra = {"method": method, "source_model": recipe.model.path, "int4_model": str(RunDir(directory).int4)}
-    return common.run_job(recipe, plan, directory, mode, stage="quantize", summary_extra=extra, resume=resume, overwrite=overwrite)
+    return common.run_job(
+        recipe, plan, directory, mode, stage="quantize", summary_extra=extra, resume=resume, overwrite=overwrite
+    )
 
 
 def final_line(summary: dict, directory: Path) -> str:
@@ -76,7 +80,9 @@ def final_line(summary: dict, directory: Path) -> str:
     if "eval/accuracy" in metrics:
         parts.append(f"held-out accuracy {metrics['eval/accuracy']:.3f} under fake-quant")
     if "quant/size_ratio" in metrics:
-        parts.append(f"{metrics['quant/int4_layers']:.0f} INT4 layers, {metrics['quant/size_ratio']:.3f}x the full-precision weights")
+        parts.append(
+            f"{metrics['quant/int4_layers']:.0f} INT4 layers, {metrics['quant/size_ratio']:.3f}x the full-precision weights"
+        )
     if "wall_s" in summary:
         parts.append(f"{summary['wall_s']:.0f} s")
     method = "INT4 QAT" if summary.get("method") == "qat" else "INT4 PTQ"

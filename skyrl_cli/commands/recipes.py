@@ -83,8 +83,8 @@ def copy_recipe(name: str, dest: Path, force: bool) -> str:
     """``skyrl recipes cp``: the recipe file, and its own folder (``recipes/<name>/``: data, reward
     code) next to the copy under the same name, so that its relative paths and module names keep
     working. Returns the line to print."""
-    from skyrl_contracts.errors import UsageError
     from skyrl_cli.recipe.registry import builtin_path
+    from skyrl_contracts.errors import UsageError
 
     source = builtin_path(name)
     target = dest / source.name if dest.is_dir() else dest
@@ -98,5 +98,7 @@ def copy_recipe(name: str, dest: Path, force: bool) -> str:
     if folder_target is None:
         return f"copied {source.name} to {target}"
     if folder_target.resolve() != folder.resolve():
-        shutil.copytree(folder, folder_target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True)
+        shutil.copytree(
+            folder, folder_target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True
+        )
     return f"copied {source.name} to {target} and its files {folder.name}/ to {folder_target}"

@@ -13,7 +13,10 @@ from skyrl_cli.commands import common
 from skyrl_contracts.rundir import CHECKPOINT_MODEL, RunDir
 
 AsyncOpt = Annotated[
-    bool, typer.Option("--async", help="Fully-async RL: generation runs ahead of training up to rl.async.max_staleness versions.")
+    bool,
+    typer.Option(
+        "--async", help="Fully-async RL: generation runs ahead of training up to rl.async.max_staleness versions."
+    ),
 ]
 
 
@@ -43,7 +46,13 @@ def register(app: typer.Typer) -> None:
         loaded = common.load_for_run(recipe, set_, "rl", machine=machine)
         directory = common.run_dir_for(loaded, "rl", run_dir).resolve()
         plan = build_plan(
-            loaded, "rl", directory, resume=resume, async_mode=async_mode, machine=machine, recipe_dir=common.recipe_dir(recipe)
+            loaded,
+            "rl",
+            directory,
+            resume=resume,
+            async_mode=async_mode,
+            machine=machine,
+            recipe_dir=common.recipe_dir(recipe),
         )
         if dry_run:
             common.print_plan(plan, json_)
@@ -61,8 +70,8 @@ def register(app: typer.Typer) -> None:
 
 def ensure_initial_policy(recipe, mode) -> None:
     """``init_from = "sft"``: run the recipe's SFT stage first when its output does not exist."""
-    from skyrl_contracts.errors import UsageError
     from skyrl_cli.plan.rl import init_model_dir
+    from skyrl_contracts.errors import UsageError
 
     init = init_model_dir(recipe)
     if (init / "config.json").exists():
@@ -80,9 +89,14 @@ def ensure_initial_policy(recipe, mode) -> None:
     # starts at step 0 when there is none), instead of training again over its checkpoints.
     again = "the same skyrl rl command continues it"
     run_sft(
-        recipe, build_plan(recipe, "sft", sft_dir, resume=True), sft_dir, mode, resume=True, overwrite=False,
+        recipe,
+        build_plan(recipe, "sft", sft_dir, resume=True),
+        sft_dir,
+        mode,
+        resume=True,
+        overwrite=False,
         interrupt_hints={"resume_hint": again, "restart_hint": again},
-    )  # fmt: skip
+    )
 
 
 def clear_exchange(run_dir: RunDir) -> None:
@@ -102,23 +116,33 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     from skyrl_cli.engines.stack import launch_inference  # light: httpx only
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor
-    from skyrl_contracts.events import EventWriter
     from skyrl_cli.metrics.follow import FollowedRun
+    from skyrl_contracts.events import EventWriter
+
     run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
     clear_exchange(run_dir)
     sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
     engines = [p for p in plan.processes if p.role == "engine"]
     (router,) = [p for p in plan.processes if p.role == "router"]
     started = time.monotonic()
-    with reported("rl", directory) as progress, Supervisor(directory) as supervisor, \
-            EventWriter(run_dir.events, "inference") as writer:  # fmt: skip
+    with (
+        reported("rl", directory) as progress,
+        Supervisor(directory) as supervisor,
+        EventWriter(run_dir.events, "inference") as writer,
+    ):
         run_setup_jobs(supervisor, plan, progress)
         progress.phase = "engine start-up"
         stack = launch_inference(
-            supervisor, engines, router, plan.engine_urls, plan.router_url, directory,
-            writer=writer, step_fn=lambda: run_dir.latest_weights_version() or 0,
+            supervisor,
+            engines,
+            router,
+            plan.engine_urls,
+            plan.router_url,
+            directory,
+            writer=writer,
+            step_fn=lambda: run_dir.latest_weights_version() or 0,
             early_jobs=[p for p in plan.processes if p.kind == "job" and p.start_with_engines],
-        )  # fmt: skip
+        )
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
             extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(run_dir.final)}
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
@@ -210,7 +234,9 @@ def initial_and_final_accuracy(run_dir: RunDir) -> dict:
 def final_line(summary: dict, directory: Path) -> str:
     parts = []
     if "eval_accuracy_final" in summary:
-        parts.append(f"held-out accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}")
+        parts.append(
+            f"held-out accuracy {summary['eval_accuracy_initial']:.3f} -> {summary['eval_accuracy_final']:.3f}"
+        )
     for key, label in (("rollout/tokens_per_s", "rollout tokens/s"), ("train/tokens_per_s", "training tokens/s")):
         figure = summary.get("throughput", {}).get(key)
         if figure:

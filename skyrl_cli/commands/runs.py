@@ -28,7 +28,10 @@ def _value(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def ls(root: RootOpt = DEFAULT_ROOT, json_: Annotated[bool, typer.Option("--json", help="One JSON object per run.")] = False) -> None:
+def ls(
+    root: RootOpt = DEFAULT_ROOT,
+    json_: Annotated[bool, typer.Option("--json", help="One JSON object per run.")] = False,
+) -> None:
     """List the runs under --root: stage, status, steps, wall time and final figures."""
     from rich.console import Console
     from rich.table import Table
@@ -38,8 +41,15 @@ def ls(root: RootOpt = DEFAULT_ROOT, json_: Annotated[bool, typer.Option("--json
     infos = [run_info(path) for path in find_runs(root)] if root.is_dir() else []
     if json_:
         for info in infos:
-            record = {"run": str(info.path), "name": info.name, "stage": info.stage, "status": info.status,
-                      "steps": info.steps, "wall_s": info.wall_s, "metrics": info.headline()}  # fmt: skip
+            record = {
+                "run": str(info.path),
+                "name": info.name,
+                "stage": info.stage,
+                "status": info.status,
+                "steps": info.steps,
+                "wall_s": info.wall_s,
+                "metrics": info.headline(),
+            }
             typer.echo(json.dumps(record))
         return
     if not infos:
@@ -76,21 +86,28 @@ def _plan_table(path: Path):
     for column in ("process", "role", "devices", "ports"):
         table.add_column(column)
     for proc in plan.get("processes", []):
-        table.add_row(proc["name"], proc["role"], " ".join(proc.get("devices", [])), " ".join(map(str, proc.get("ports", []))))
+        table.add_row(
+            proc["name"], proc["role"], " ".join(proc.get("devices", [])), " ".join(map(str, proc.get("ports", [])))
+        )
     return table
 
 
-def show(run: Annotated[str, typer.Argument(help="Run directory, or a path under --root.", metavar="RUN")], root: RootOpt = DEFAULT_ROOT) -> None:
+def show(
+    run: Annotated[str, typer.Argument(help="Run directory, or a path under --root.", metavar="RUN")],
+    root: RootOpt = DEFAULT_ROOT,
+) -> None:
     """Print a run's status, resolved recipe, launch plan and final figures."""
     from rich.console import Console
 
     from skyrl_cli.metrics.summary import summary_table
-    from skyrl_contracts.rundir import RunDir
     from skyrl_cli.runview.catalog import run_info
+    from skyrl_contracts.rundir import RunDir
 
     (path,) = _resolve([run], root)
     info, files, console = run_info(path), RunDir(path), Console()
-    console.print(f"[bold]{path}[/bold]: {info.name} {info.stage}, {info.status}, {info.steps} steps, {info.wall_s:.0f} s")
+    console.print(
+        f"[bold]{path}[/bold]: {info.name} {info.stage}, {info.status}, {info.steps} steps, {info.wall_s:.0f} s"
+    )
     if files.resolved_recipe.is_file():
         console.rule("resolved recipe (recipe.resolved.json)")
         console.print(_recipe_toml(files.resolved_recipe), markup=False, highlight=False)
@@ -102,20 +119,27 @@ def show(run: Annotated[str, typer.Argument(help="Run directory, or a path under
 def _check_metrics(metrics: list[str], paths: list[Path]) -> None:
     import difflib
 
-    from skyrl_contracts.errors import UsageError
     from skyrl_cli.runview.curves import load_curves
+    from skyrl_contracts.errors import UsageError
 
     known = sorted({name for path in paths for name in load_curves(path)})
     for name in metrics:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; metrics of these runs: {', '.join(known) or 'none yet'}"
+            hint = (
+                f"; did you mean {close[0]!r}?"
+                if close
+                else f"; metrics of these runs: {', '.join(known) or 'none yet'}"
+            )
             raise UsageError(f"--metric {name!r}: no run logged it{hint}")
 
 
 def compare(
     runs: RunsArg,
-    metric: Annotated[Optional[list[str]], typer.Option("--metric", "-m", help="Metric to plot (repeatable; default: the report's panels).")] = None,
+    metric: Annotated[
+        Optional[list[str]],
+        typer.Option("--metric", "-m", help="Metric to plot (repeatable; default: the report's panels)."),
+    ] = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG of the overlaid curves.")] = Path("compare.png"),
     root: RootOpt = DEFAULT_ROOT,
 ) -> None:
@@ -123,11 +147,11 @@ def compare(
     from rich.console import Console
     from rich.table import Table
 
-    from skyrl_contracts.atomic import write_bytes
-    from skyrl_contracts.errors import UsageError
     from skyrl_cli.runview.catalog import final_rows
     from skyrl_cli.runview.curves import REPORT_PANELS, metric_panels
     from skyrl_cli.runview.report import figure_png, load_runs, panels_with_data
+    from skyrl_contracts.atomic import write_bytes
+    from skyrl_contracts.errors import UsageError
 
     if len(runs) < 2:
         raise UsageError("skyrl runs compare needs two runs or more (skyrl runs show RUN looks at one)")
@@ -148,12 +172,15 @@ def compare(
 
 def report(
     runs: RunsArg,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for report.png and report.html (default: RUN/report/ of the first run).")] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", help="Folder for report.png and report.html (default: RUN/report/ of the first run)."),
+    ] = None,
     root: RootOpt = DEFAULT_ROOT,
 ) -> None:
     """Write report.png and a self-contained report.html of one run, or of several compared."""
-    from skyrl_contracts.rundir import RunDir
     from skyrl_cli.runview.report import write_report
+    from skyrl_contracts.rundir import RunDir
 
     paths = _resolve(runs, root)
     png, page = write_report(paths, out if out is not None else RunDir(paths[0]).report)
@@ -161,7 +188,10 @@ def report(
 
 
 def register(app: typer.Typer) -> None:
-    sub = typer.Typer(help="Runs you can look at: list, show, compare and report (PNG + HTML) from run directories.", no_args_is_help=True)
+    sub = typer.Typer(
+        help="Runs you can look at: list, show, compare and report (PNG + HTML) from run directories.",
+        no_args_is_help=True,
+    )
     for name, command in (("ls", ls), ("show", show), ("compare", compare), ("report", report)):
         sub.command(name)(command)
     app.add_typer(sub, name="runs")

@@ -40,15 +40,24 @@ def register(app: typer.Typer) -> None:
             typer.echo(final_line(summary, directory))
 
 
-def run_sft(recipe, plan, directory, mode, *, resume: bool, overwrite: bool, interrupt_hints: dict | None = None) -> dict:
+def run_sft(
+    recipe, plan, directory, mode, *, resume: bool, overwrite: bool, interrupt_hints: dict | None = None
+) -> dict:
     """The SFT trainer as a job (``common.run_job``); returns the summary."""
     from skyrl_contracts.rundir import RunDir
 
     extra = {"final_model": str(RunDir(directory).final)}
     return common.run_job(
-        recipe, plan, directory, mode, stage="sft", summary_extra=extra, resume=resume, overwrite=overwrite,
+        recipe,
+        plan,
+        directory,
+        mode,
+        stage="sft",
+        summary_extra=extra,
+        resume=resume,
+        overwrite=overwrite,
         interrupt_hints=interrupt_hints,
-    )  # fmt: skip
+    )
 
 
 def final_line(summary: dict, directory) -> str:

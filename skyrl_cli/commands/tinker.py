@@ -20,7 +20,9 @@ NoEnginesOpt = Annotated[
 
 
 def register(app: typer.Typer) -> None:
-    tinker_app = typer.Typer(help="Self-hosted Tinker-API server (official tinker SDK, multi-LoRA).", no_args_is_help=True)
+    tinker_app = typer.Typer(
+        help="Self-hosted Tinker-API server (official tinker SDK, multi-LoRA).", no_args_is_help=True
+    )
 
     @tinker_app.command("serve")
     def serve(
@@ -36,9 +38,9 @@ def register(app: typer.Typer) -> None:
         Point the SDK at it: tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...").
         Writes runs/<name>/tinker/ (or --run-dir): server.json, logs/, storage/ (unless tinker.storage_dir).
         """
-        from skyrl_contracts.errors import UsageError
         from skyrl_cli.plan.machine import detect_machine
         from skyrl_cli.plan.tinker import plan_tinker
+        from skyrl_contracts.errors import UsageError
 
         machine = detect_machine()
         loaded = common.load_for_run(recipe, set_, "tinker", machine=machine)
@@ -60,16 +62,15 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"{loaded.tinker.api_keys_env}: every key must start with tml- (the SDK refuses others)")
         serve_plan(loaded, plan, config, directory)
 
-
     app.add_typer(tinker_app, name="tinker")
 
 
 def serve_plan(recipe, plan, config: dict, directory) -> None:
     from skyrl_cli.engines.stack import launch_inference  # light: httpx only
-    from skyrl_contracts.atomic import write_json
-    from skyrl_contracts.errors import LaunchError
     from skyrl_cli.launch.supervisor import Supervisor, failure_message
     from skyrl_cli.plan.tinker import SERVER_NAME
+    from skyrl_contracts.atomic import write_json
+    from skyrl_contracts.errors import LaunchError
     from skyrl_contracts.rundir import RunDir
 
     RunDir(directory).prepare(recipe, plan, resume=True)  # storage/ of earlier starts is kept
@@ -81,8 +82,9 @@ def serve_plan(recipe, plan, config: dict, directory) -> None:
         stack = None
         if engines:
             typer.echo(f"tinker: starting {len(engines)} vLLM engine(s) with runtime LoRA", err=True)
-            stack = launch_inference(supervisor, engines, routers[0], plan.engine_urls, plan.router_url, directory,
-                                     metrics_period_s=None)  # fmt: skip
+            stack = launch_inference(
+                supervisor, engines, routers[0], plan.engine_urls, plan.router_url, directory, metrics_period_s=None
+            )
         try:
             supervisor.start(server)
             supervisor.wait_ready([server.name])
@@ -94,8 +96,11 @@ def serve_plan(recipe, plan, config: dict, directory) -> None:
             )
             code = supervisor.wait_job(server.name, fatal_services=[r.name for r in routers])
             if code != 0:
-                raise LaunchError(failure_message(f"the tinker server failed (exit code {code})",
-                                                  supervisor.processes[server.name].log_path, 25))  # fmt: skip
+                raise LaunchError(
+                    failure_message(
+                        f"the tinker server failed (exit code {code})", supervisor.processes[server.name].log_path, 25
+                    )
+                )
         finally:
             if stack is not None:
                 stack.stop()

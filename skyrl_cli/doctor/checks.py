@@ -57,7 +57,9 @@ def run_child(argv: Sequence[str], timeout_s: float, env: dict[str, str] | None 
     except OSError as err:
         return ChildResult(False, str(err))
     if proc.returncode != 0:
-        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit code {proc.returncode}"]
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or [
+            f"exit code {proc.returncode}"
+        ]
         return ChildResult(False, tail[0].strip())
     lines = proc.stdout.strip().splitlines()
     return ChildResult(True, lines[-1].strip() if lines else "")

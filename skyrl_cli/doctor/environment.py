@@ -29,7 +29,11 @@ def check_python() -> Check:
     required = SpecifierSet(importlib.metadata.metadata(DISTRIBUTION).get("Requires-Python") or "")
     tested = ", ".join(f"{a}.{b}" for a, b in TESTED_PYTHON)
     if not required.contains(version):
-        return failed("python", f"{version} does not satisfy {required}", f"use Python {tested} (SKYRL_PYTHON=python{tested} scripts/setup.sh)")
+        return failed(
+            "python",
+            f"{version} does not satisfy {required}",
+            f"use Python {tested} (SKYRL_PYTHON=python{tested} scripts/setup.sh)",
+        )
     note = "tested" if sys.version_info[:2] in TESTED_PYTHON else f"untested: the stack was verified on {tested}"
     return passed("python", f"{version} at {sys.executable} ({note})")
 
@@ -67,8 +71,11 @@ def _package_problem(requirement, hint: str) -> Check | None:
     except importlib.metadata.PackageNotFoundError:
         return failed(f"package {requirement.name}", "not installed", f"pip install '{requirement}'{hint}")
     if requirement.specifier and not requirement.specifier.contains(installed, prereleases=True):
-        return failed(f"package {requirement.name}", f"{installed} installed, wanted: {requirement.specifier}",
-                      f"pip install '{requirement}'{hint}")  # fmt: skip
+        return failed(
+            f"package {requirement.name}",
+            f"{installed} installed, wanted: {requirement.specifier}",
+            f"pip install '{requirement}'{hint}",
+        )
     return None
 
 
@@ -101,17 +108,19 @@ def gpu_memory() -> list[tuple[int, str, float, float]]:
 
 def check_gpus(gpu_count: int) -> Check:
     if gpu_count == 0:
-        return passed("gpus", "none visible: CPU runs only (trainer.device = \"auto\" picks the CPU)")
-    listed = ", ".join(f"{i}: {name} {total:.0f} GiB ({free:.0f} free)" for i, name, total, free in gpu_memory()[:gpu_count])
+        return passed("gpus", 'none visible: CPU runs only (trainer.device = "auto" picks the CPU)')
+    listed = ", ".join(
+        f"{i}: {name} {total:.0f} GiB ({free:.0f} free)" for i, name, total, free in gpu_memory()[:gpu_count]
+    )
     return passed("gpus", f"{gpu_count} visible{': ' + listed if listed else ''}")
 
 
 # Each imports the package and does the first thing a run does with it, in a child process.
 STARTS = {
     "deepspeed": "import deepspeed; from deepspeed.accelerator import get_accelerator; "
-                 "print(deepspeed.__version__, 'on', get_accelerator().device_name())",
+    "print(deepspeed.__version__, 'on', get_accelerator().device_name())",
     "vllm": "import vllm; from vllm import EngineArgs; print(vllm.__version__)",
-}  # fmt: skip
+}
 
 
 def check_starts() -> list[Check]:
@@ -127,7 +136,13 @@ def check_starts() -> list[Check]:
             if result.ok:
                 checks.append(passed(f"{name} imports", result.output))
             else:
-                checks.append(failed(f"{name} imports", result.output, f"reinstall it: {SETUP_HINT} (see shared/reference/environment.md)"))
+                checks.append(
+                    failed(
+                        f"{name} imports",
+                        result.output,
+                        f"reinstall it: {SETUP_HINT} (see shared/reference/environment.md)",
+                    )
+                )
         return checks + [router.result()]
 
 
@@ -142,14 +157,26 @@ def check_router_starts(timeout_s: float = 20.0) -> Check:
     if shutil.which(binary) is None:
         return failed("vllm-router starts", f"no {binary} executable", f"pip install vllm-router ({SETUP_HINT})")
     port, metrics_port = find_free_ports(2)
-    argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port), "--log-level", "error"]
+    argv = [
+        binary,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(metrics_port),
+        "--log-level",
+        "error",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     started, deadline = time.monotonic(), time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/liveness", timeout=1.0).status_code == 200:
-                    return passed("vllm-router starts", f"{binary} answered /liveness in {time.monotonic() - started:.1f} s")
+                    return passed(
+                        "vllm-router starts", f"{binary} answered /liveness in {time.monotonic() - started:.1f} s"
+                    )
             except httpx.HTTPError:
                 time.sleep(0.2)
         why = f"exited with {proc.returncode}" if proc.poll() is not None else f"no /liveness within {timeout_s:.0f} s"

@@ -39,11 +39,16 @@ def check_layout(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[
 
     problems = feasibility_problems(recipe, machine, base_dir)
     if problems:
-        return [failed("layout", f"{dotted(p.path)}: {p.message}", _fix_for(dotted(p.path), p.message, len(machine.gpus))) for p in problems]
+        return [
+            failed("layout", f"{dotted(p.path)}: {p.message}", _fix_for(dotted(p.path), p.message, len(machine.gpus)))
+            for p in problems
+        ]
     device = trainer_device(recipe, machine)
     engines = recipe.inference.engines if recipe.rl is not None else 0
     where = f"{len(machine.gpus)} GPU(s)" if device == "cuda" else f"{machine.cores} CPU core(s)"
-    return [passed("layout", f"{recipe.trainer.ranks} trainer rank(s) on {device}, {engines} local engine(s): fits {where}")]
+    return [
+        passed("layout", f"{recipe.trainer.ranks} trainer rank(s) on {device}, {engines} local engine(s): fits {where}")
+    ]
 
 
 def check_gpu_memory(recipe: Recipe, machine: MachineFacts, gpus: list[tuple[int, str, float, float]]) -> list[Check]:
@@ -64,7 +69,12 @@ def check_gpu_memory(recipe: Recipe, machine: MachineFacts, gpus: list[tuple[int
             took = f"the engine takes {share} x {total:.1f} GiB = {share * total:.1f} GiB"
             checks.append(failed("gpu memory", f"GPU {gpu} ({name}): {free:.1f} GiB free, {took}", fix))
         else:
-            checks.append(passed("gpu memory", f"GPU {gpu} ({name}): {free:.1f} of {total:.1f} GiB free, the engine takes {share:.0%}"))
+            checks.append(
+                passed(
+                    "gpu memory",
+                    f"GPU {gpu} ({name}): {free:.1f} of {total:.1f} GiB free, the engine takes {share:.0%}",
+                )
+            )
     return checks
 
 
@@ -72,7 +82,9 @@ def planned_ports(recipe: Recipe, machine: MachineFacts) -> list[tuple[str, int]
     """``(process, port)`` of every port the recipe's stages would bind (their launch plans)."""
     from skyrl_cli.plan.build import build_plan
 
-    stages = [s for s, section in (("sft", recipe.sft), ("rl", recipe.rl), ("tinker", recipe.tinker)) if section is not None]
+    stages = [
+        s for s, section in (("sft", recipe.sft), ("rl", recipe.rl), ("tinker", recipe.tinker)) if section is not None
+    ]
     with tempfile.TemporaryDirectory(prefix="skyrl-doctor-") as scratch:
         plans = [build_plan(recipe, stage, Path(scratch) / stage, machine=machine) for stage in stages]
     return [(proc.name, port) for plan in plans for proc in plan.processes for port in proc.ports]
@@ -109,9 +121,16 @@ def check_ports(recipe: Recipe, machine: MachineFacts, ports: list[tuple[str, in
     for process, port in taken:
         key = _port_key(recipe, process, port)
         (spare,) = find_free_ports(1)
-        how = f"set {key} = {spare} (a free one now) or leave it unset" if key else "run again (it was free when planned)"
-        checks.append(failed("ports", f"port {port} ({process}) is in use on {machine.host}",
-                             f"{how}; `ss -ltnp 'sport = :{port}'` shows who holds it"))  # fmt: skip
+        how = (
+            f"set {key} = {spare} (a free one now) or leave it unset" if key else "run again (it was free when planned)"
+        )
+        checks.append(
+            failed(
+                "ports",
+                f"port {port} ({process}) is in use on {machine.host}",
+                f"{how}; `ss -ltnp 'sport = :{port}'` shows who holds it",
+            )
+        )
     if not taken:
         listed = ", ".join(f"{process} {port}" for process, port in ports)
         checks.append(passed("ports", f"{len(ports)} free on {machine.host}" + (f": {listed}" if listed else "")))
@@ -157,9 +176,15 @@ def check_disk(recipe: Recipe, base_dir: Path, runs_root: Path) -> Check:
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if params is None:
-        return skipped("disk", f"{free / GIB:.1f} GiB free at {existing}; the model's size is unknown (no weight files found)")
+        return skipped(
+            "disk", f"{free / GIB:.1f} GiB free at {existing}; the model's size is unknown (no weight files found)"
+        )
     need = disk_needed(recipe, params)
     detail = f"{free / GIB:.1f} GiB free at {existing}, the run needs about {need / GIB:.2f} GiB ({params / 1e6:.1f} M parameters)"
     if free < need:
-        return failed("disk", detail, f"free {max(need - free, 0) / GIB:.1f} GiB there, lower sft/rl keep_last, or run from another folder")
+        return failed(
+            "disk",
+            detail,
+            f"free {max(need - free, 0) / GIB:.1f} GiB there, lower sft/rl keep_last, or run from another folder",
+        )
     return passed("disk", detail)

@@ -44,11 +44,16 @@ def check_collectives(recipe: Recipe, machine: MachineFacts) -> Check:
     url = f"tcp://{machine.host}:{port}"
     argv = [sys.executable, "-c", ALL_REDUCE, backend, url]
     with ThreadPoolExecutor(world) as pool:
-        results = list(pool.map(lambda rank: run_child([*argv, str(rank), str(world)], COLLECTIVE_TIMEOUT_S), range(world)))
+        results = list(
+            pool.map(lambda rank: run_child([*argv, str(rank), str(world)], COLLECTIVE_TIMEOUT_S), range(world))
+        )
     bad = [r for r in results if not r.ok]
     if bad:
-        fix = ("check the NCCL install (NCCL_DEBUG=INFO shows why) and that no other job holds the GPUs" if cuda
-               else "check that loopback TCP works (firewall) and that torch.distributed imports")  # fmt: skip
+        fix = (
+            "check the NCCL install (NCCL_DEBUG=INFO shows why) and that no other job holds the GPUs"
+            if cuda
+            else "check that loopback TCP works (firewall) and that torch.distributed imports"
+        )
         return failed(backend, bad[0].output, fix)
     return passed(backend, results[0].output)
 
@@ -73,13 +78,23 @@ def check_rendezvous(recipe: Recipe) -> list[Check]:
             with socket.socket() as sock:
                 sock.bind((host, 0))
         except OSError as err:
-            return [failed("rendezvous", f"{host} is not an address of this host ({err.strerror})",
-                           "run node_rank 0 on the host trainer.rdzv_endpoint names, or change it")]  # fmt: skip
+            return [
+                failed(
+                    "rendezvous",
+                    f"{host} is not an address of this host ({err.strerror})",
+                    "run node_rank 0 on the host trainer.rdzv_endpoint names, or change it",
+                )
+            ]
         return [passed("rendezvous", f"node 0 of {trainer.nnodes}: hosts {trainer.rdzv_endpoint}")]
     why = _connect(host, int(port_text))
     if why:
-        return [failed("rendezvous", f"{trainer.rdzv_endpoint}: {why}",
-                       f"start node 0 first, and open TCP port {port_text} between the nodes")]  # fmt: skip
+        return [
+            failed(
+                "rendezvous",
+                f"{trainer.rdzv_endpoint}: {why}",
+                f"start node 0 first, and open TCP port {port_text} between the nodes",
+            )
+        ]
     return [passed("rendezvous", f"node {trainer.node_rank} of {trainer.nnodes}: {trainer.rdzv_endpoint} answers")]
 
 
@@ -95,7 +110,9 @@ def check_remote_engines(recipe: Recipe) -> list[Check]:
             why = f"{type(err).__name__}: {err}"
         host = urlsplit(url).hostname
         if why:
-            checks.append(failed("remote engine", f"{url}: {why}", f"start the engine on {host} or remove it from inference.urls"))
+            checks.append(
+                failed("remote engine", f"{url}: {why}", f"start the engine on {host} or remove it from inference.urls")
+            )
         else:
             checks.append(passed("remote engine", f"{url} is healthy"))
     return checks

@@ -19,6 +19,7 @@ from skyrl_contracts.schema import Recipe
 
 ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 
+
 def _model_dir(recipe: Recipe, base_dir: Path, scratch: Path, timeout_s: float) -> tuple[Path | None, str]:
     from skyrl_cli.launch.tiny_model import build_tiny_model_dir
     from skyrl_cli.recipe.validate import resolve_path
@@ -44,24 +45,39 @@ def _served_model(recipe: Recipe, model_dir: Path, scratch: Path, timeout_s: flo
     if not _reloads_full_weights(recipe):
         return model_dir, ""
     out = scratch / "engine-model"
-    made = run_child([sys.executable, "-m", "backends.models.tied", "--src", str(model_dir), "--out", str(out)], timeout_s)
+    made = run_child(
+        [sys.executable, "-m", "backends.models.tied", "--src", str(model_dir), "--out", str(out)], timeout_s
+    )
     return (out, "") if made.ok else (None, f"preparing the engines' model failed: {made.output}")
 
 
-def _sync_round_trip(recipe: Recipe, dtype: str, url: str, model_dir: Path, scratch: Path, timeout_s: float) -> tuple[bool, str] | None:
+def _sync_round_trip(
+    recipe: Recipe, dtype: str, url: str, model_dir: Path, scratch: Path, timeout_s: float
+) -> tuple[bool, str] | None:
     """(within the bound, what was measured), or None where the RL stage reloads no full weights."""
     from skyrl_contracts.health import sync_gap_floor
 
     if not _reloads_full_weights(recipe):
         return None
-    argv = [sys.executable, "-m", "backends.inference.sync_check", "--engine-url", url, "--model", str(model_dir),
-            "--scratch", str(scratch)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "backends.inference.sync_check",
+        "--engine-url",
+        url,
+        "--model",
+        str(model_dir),
+        "--scratch",
+        str(scratch),
+    ]
     done = run_child(argv, timeout_s)
     if not done.ok:
         return False, f"the weight-sync round trip failed: {done.output}"
     result, bound = json.loads(done.output), sync_gap_floor(dtype)
-    what = (f"a weight-sync round trip ({'tied' if result['tied'] else 'untied'} head) gave logprobs "
-            f"{result['mean_abs_diff']:.1e} from transformers' (mean; max {result['max_abs_diff']:.1e}; bound {bound:.0e}, {dtype})")  # fmt: skip
+    what = (
+        f"a weight-sync round trip ({'tied' if result['tied'] else 'untied'} head) gave logprobs "
+        f"{result['mean_abs_diff']:.1e} from transformers' (mean; max {result['max_abs_diff']:.1e}; bound {bound:.0e}, {dtype})"
+    )
     return result["mean_abs_diff"] <= bound, what
 
 
@@ -79,11 +95,11 @@ def _generate(url: str) -> str:
 def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, timeout_s: float) -> Check:
     import httpx
 
-    from skyrl_contracts.errors import SkyrlError
     from skyrl_cli.launch.supervisor import Supervisor, log_tail
     from skyrl_cli.plan.inference import engine_dtype, engine_specs, engine_url
     from skyrl_cli.plan.rl import inference_machine
     from skyrl_cli.plan.trainer import trainer_device
+    from skyrl_contracts.errors import SkyrlError
     from skyrl_contracts.ports import find_free_ports
     from skyrl_contracts.rundir import RunDir
 
@@ -93,10 +109,14 @@ def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, ti
     with tempfile.TemporaryDirectory(prefix="skyrl-doctor-smoke-") as scratch:
         model_dir, why = _model_dir(one_engine, base_dir, Path(scratch), timeout_s)
         if model_dir is None:
-            return failed("engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set")
+            return failed(
+                "engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set"
+            )
         served, why = _served_model(one_engine, model_dir, Path(scratch), timeout_s)
         if served is None:
-            return failed("engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set")
+            return failed(
+                "engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set"
+            )
         (port,) = find_free_ports(1)
         (spec,) = engine_specs(one_engine, engines_on, [port], str(served))
         url = engine_url(engines_on, port)
@@ -106,16 +126,28 @@ def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, ti
                 supervisor.wait_ready([spec.name], timeout_s=max(timeout_s - (time.monotonic() - started), 1.0))
                 text = _generate(url)
                 remaining = max(timeout_s - (time.monotonic() - started), 30.0)
-                sync = _sync_round_trip(one_engine, engine_dtype(one_engine, engines_on), url, model_dir, Path(scratch), remaining)
+                sync = _sync_round_trip(
+                    one_engine, engine_dtype(one_engine, engines_on), url, model_dir, Path(scratch), remaining
+                )
         except (SkyrlError, OSError, ValueError, KeyError, httpx.HTTPError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0].split("; see ")[0]
-            last = log_tail(RunDir(scratch).log(spec.name), 1).strip()[-300:] or "(empty)"  # the scratch folder goes next
-            fix = (f"on a busy machine give it longer (--smoke-timeout {2 * timeout_s:.0f}); else start it by hand "
-                   f"to see the whole log: {' '.join(spec.argv[:4])} ...")  # fmt: skip
+            last = (
+                log_tail(RunDir(scratch).log(spec.name), 1).strip()[-300:] or "(empty)"
+            )  # the scratch folder goes next
+            fix = (
+                f"on a busy machine give it longer (--smoke-timeout {2 * timeout_s:.0f}); else start it by hand "
+                f"to see the whole log: {' '.join(spec.argv[:4])} ..."
+            )
             return failed("engine smoke test", f"{first}; its log ends: {last}", fix)
     elapsed = time.monotonic() - started
     if sync is not None and not sync[0]:
-        return failed("engine smoke test", f"{sync[1]}: the engine does not serve the weights it was given",
-                      "report it with this line and the versions from skyrl doctor; RL on this model would not learn")  # fmt: skip
+        return failed(
+            "engine smoke test",
+            f"{sync[1]}: the engine does not serve the weights it was given",
+            "report it with this line and the versions from skyrl doctor; RL on this model would not learn",
+        )
     said = f"; {sync[1]}" if sync is not None else ""
-    return passed("engine smoke test", f"a vLLM engine on {engines_on.device} started and generated {text} in {elapsed:.0f} s{said}")
+    return passed(
+        "engine smoke test",
+        f"a vLLM engine on {engines_on.device} started and generated {text} in {elapsed:.0f} s{said}",
+    )

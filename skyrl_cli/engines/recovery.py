@@ -38,9 +38,9 @@ from typing import Callable, Mapping, Sequence
 
 import httpx
 
+from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
 from skyrl_cli.engines.router import RouterAdmin
 from skyrl_cli.launch.supervisor import Supervisor
-from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
 from skyrl_contracts.events import EventWriter
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ class EngineRecovery:
         log.warning("engine %s is back after %.1f s", name, seconds)
         if self.writer is not None:
             self.writer.log(
-                self.step_fn(), {"engine/restarts": float(sum(self.restarts.values())), "timing/engine_recovery_s": seconds}
+                self.step_fn(),
+                {"engine/restarts": float(sum(self.restarts.values())), "timing/engine_recovery_s": seconds},
             )
         return True
 
@@ -178,15 +179,20 @@ class EngineRecovery:
         seconds = time.monotonic() - started
         log.warning("router %s is back after %.1f s", name, seconds)
         if self.writer is not None:
-            self.writer.log(self.step_fn(), {"router/restarts": float(self.restarts[name]), "timing/router_recovery_s": seconds})
+            self.writer.log(
+                self.step_fn(), {"router/restarts": float(self.restarts[name]), "timing/router_recovery_s": seconds}
+            )
         return True
 
     def gave_up(self) -> str | None:
         """Why the run cannot go on (the router, or every local engine, is down and was restarted
         ``max_restarts`` times already); None while it can."""
         poll = self.supervisor.poll()
-        exhausted = [n for n in (self.router_name, *self.engines) if n is not None and poll.get(n) is not None
-                     and self.restarts.get(n, 0) >= self.max_restarts]  # fmt: skip
+        exhausted = [
+            n
+            for n in (self.router_name, *self.engines)
+            if n is not None and poll.get(n) is not None and self.restarts.get(n, 0) >= self.max_restarts
+        ]
         if self.router_name in exhausted or (self.engines and set(self.engines) <= set(exhausted)):
             logs = ", ".join(str(self.supervisor.processes[n].log_path) for n in exhausted)
             return f"{', '.join(exhausted)} died after {self.max_restarts} restarts; log: {logs}"

@@ -21,13 +21,17 @@ class RouterAdmin:
         return response
 
     def list_workers(self) -> list[str]:
-        return [u.rstrip("/") for u in self._check(self.http.get(f"{self.url}/list_workers"), "list_workers").json()["urls"]]
+        return [
+            u.rstrip("/") for u in self._check(self.http.get(f"{self.url}/list_workers"), "list_workers").json()["urls"]
+        ]
 
     def add_worker(self, worker_url: str) -> None:
         self._check(self.http.post(f"{self.url}/add_worker", params={"url": worker_url}), f"add_worker {worker_url}")
 
     def remove_worker(self, worker_url: str) -> None:
-        self._check(self.http.post(f"{self.url}/remove_worker", params={"url": worker_url}), f"remove_worker {worker_url}")
+        self._check(
+            self.http.post(f"{self.url}/remove_worker", params={"url": worker_url}), f"remove_worker {worker_url}"
+        )
 
     def ensure_worker(self, worker_url: str, timeout_s: float = 30.0) -> None:
         """Put ``worker_url`` in rotation, whether or not the router still lists it (its own health

@@ -22,11 +22,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
 from skyrl_cli.engines.metrics import MetricsScraper
+from skyrl_cli.engines.recovery import EngineRecovery
 from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.model import ProcessSpec
-from skyrl_cli.engines.recovery import EngineRecovery
-from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
 from skyrl_contracts.events import EventWriter
 
 
@@ -63,8 +63,10 @@ def check_remote_engines(urls: Sequence[str], timeout_s: float = 5.0) -> None:
             if status == 200:
                 continue
             reason = f"HTTP {status}"
-        raise LaunchError(f"inference.urls: the engine at {url} does not answer GET /health ({reason}); "
-                          "start it, or remove it from inference.urls")  # fmt: skip
+        raise LaunchError(
+            f"inference.urls: the engine at {url} does not answer GET /health ({reason}); "
+            "start it, or remove it from inference.urls"
+        )
 
 
 def launch_inference(
@@ -98,9 +100,15 @@ def launch_inference(
         local = dict(zip(names, engine_urls))
         remote = list(engine_urls[len(names) :])
         stack.recovery = EngineRecovery(
-            supervisor, local, router_url, run_dir, remote_urls=remote, writer=writer, step_fn=step_fn,
+            supervisor,
+            local,
+            router_url,
+            run_dir,
+            remote_urls=remote,
+            writer=writer,
+            step_fn=step_fn,
             router_name=router_spec.name,
-        ).start()  # fmt: skip
+        ).start()
     if writer is not None and metrics_period_s:
         stack.scraper = MetricsScraper(engine_urls, writer, router_url, metrics_period_s, step_fn).start()
     return stack

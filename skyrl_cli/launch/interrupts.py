@@ -132,9 +132,14 @@ def shown_path(path: Path) -> str:
 
 
 def interruption_message(
-    stage: str, signame: str, step: int, phase: str | None, checkpoint: Path | None,
-    resume_hint: str = RESUME_HINT, restart_hint: str = RESTART_HINT,
-) -> str:  # fmt: skip
+    stage: str,
+    signame: str,
+    step: int,
+    phase: str | None,
+    checkpoint: Path | None,
+    resume_hint: str = RESUME_HINT,
+    restart_hint: str = RESTART_HINT,
+) -> str:
     """The last line of an interrupted run, e.g. ``sft interrupted (SIGINT) at step 120; last
     complete checkpoint: runs/x/sft/checkpoints/step-100 (resume with --resume)``."""
     where = " ".join(p for p in (f"at step {step}" if step else "", f"during {phase}" if phase else "") if p)
@@ -149,9 +154,8 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
     run stopped before its follower wrote one (e.g. while the engines were starting)."""
     import json
 
-    from skyrl_contracts.atomic import write_json
     from skyrl_cli.metrics.summary import write_summary
-
+    from skyrl_contracts.atomic import write_json
     from skyrl_contracts.rundir import RunDir
 
     path = RunDir(run_dir).summary
@@ -166,7 +170,9 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
     return summary
 
 
-def interruption_error(stage: str, run_dir: Path, signum: int, progress: StageProgress, started: float, **hints) -> RunInterrupted:
+def interruption_error(
+    stage: str, run_dir: Path, signum: int, progress: StageProgress, started: float, **hints
+) -> RunInterrupted:
     from skyrl_contracts.rundir import RunDir
 
     signame = signal_name(signum)

@@ -32,7 +32,9 @@ def _remove(paths: list[Path]) -> list[Path]:
     return removed
 
 
-def clear_stale_locks(extensions_dir: str | Path, now: float | None = None, older_than_s: float = STALE_AFTER_S) -> list[Path]:
+def clear_stale_locks(
+    extensions_dir: str | Path, now: float | None = None, older_than_s: float = STALE_AFTER_S
+) -> list[Path]:
     """Remove build locks older than ``older_than_s``; returns what was removed."""
     now = time.time() if now is None else now
     return _remove([p for p in _locks(extensions_dir) if now - _mtime(p) > older_than_s])

@@ -35,10 +35,10 @@ from typing import Callable, Iterable
 
 import httpx
 
-from skyrl_contracts.errors import LaunchError
 from skyrl_cli.launch.interrupts import deferred, signal_name, stop_signals_raise
 from skyrl_cli.launch.op_builds import clear_locks_since, clear_stale_locks
 from skyrl_cli.plan.model import ProcessSpec
+from skyrl_contracts.errors import LaunchError
 from skyrl_contracts.rundir import RunDir
 
 TERM_GRACE_S = 10.0

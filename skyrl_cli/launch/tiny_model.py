@@ -13,11 +13,24 @@ from skyrl_contracts.errors import LaunchError
 from skyrl_contracts.schema import TinyModelInit
 
 
-def build_tiny_model_dir(init: TinyModelInit, alphabet: str, out: str | Path, timeout_s: float = 300.0, seed: int = 0) -> list[int]:
+def build_tiny_model_dir(
+    init: TinyModelInit, alphabet: str, out: str | Path, timeout_s: float = 300.0, seed: int = 0
+) -> list[int]:
     """Save a tiny ``init`` model with a character tokenizer of ``alphabet`` at ``out``; returns the
     token ids of the alphabet's characters. ``LaunchError`` names the child's last line on failure."""
-    argv = [sys.executable, "-m", "backends.models.tiny", "--init", init.model_dump_json(), "--alphabet", alphabet,
-            "--out", str(out), "--seed", str(seed)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "backends.models.tiny",
+        "--init",
+        init.model_dump_json(),
+        "--alphabet",
+        alphabet,
+        "--out",
+        str(out),
+        "--seed",
+        str(seed),
+    ]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

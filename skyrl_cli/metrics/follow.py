@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from skyrl_contracts.events import read_events
 from skyrl_cli.metrics.sinks import Sink, SinkGroup
 from skyrl_cli.metrics.summary import write_summary
+from skyrl_contracts.events import read_events
 from skyrl_contracts.rundir import RunDir
 
 

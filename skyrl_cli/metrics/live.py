@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from skyrl_cli.metrics.sinks import Sink
 from skyrl_contracts.events import MetricEvent
 from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, sync_gap_message
-from skyrl_cli.metrics.sinks import Sink
 
 # (label, metric name, format)
 ROWS: tuple[tuple[str, str, str], ...] = (
@@ -83,7 +83,14 @@ class LiveView(Sink):
     def start(self) -> None:
         from rich.console import Console
         from rich.live import Live
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         console = self.console or Console(stderr=True)
         self._progress = Progress(

@@ -1,10 +1,10 @@
 """``summary.json``: the final figures of a run, computed from its ``events.jsonl``.
 
-    {"steps": 1200, "elapsed_s": 131.2, "time": 1767000000.0,
-     "metrics": {"eval/accuracy": 0.86, "train/loss": 0.02, ...},          # last value of each
-     "throughput": {"train/tokens_per_s": {"mean": 50123.0, "last": 51010.0}, ...},   # every */..._per_s
-     "health": {"sync_gap_steps_over_bound": 3, ..., "message": "..."},   # only when a check fired
-     ...extra}                                                              # given by the command
+{"steps": 1200, "elapsed_s": 131.2, "time": 1767000000.0,
+ "metrics": {"eval/accuracy": 0.86, "train/loss": 0.02, ...},          # last value of each
+ "throughput": {"train/tokens_per_s": {"mean": 50123.0, "last": 51010.0}, ...},   # every */..._per_s
+ "health": {"sync_gap_steps_over_bound": 3, ..., "message": "..."},   # only when a check fired
+ ...extra}                                                              # given by the command
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def summary_table(summary: Mapping[str, Any]):
     """A rich table of the final figures (metrics, then throughput means)."""
     from rich.table import Table
 
-    table = Table(title=f"summary ({summary.get('steps', 0)} steps, {summary.get('elapsed_s', 0):.0f} s)", show_header=False)
+    table = Table(
+        title=f"summary ({summary.get('steps', 0)} steps, {summary.get('elapsed_s', 0):.0f} s)", show_header=False
+    )
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
     for name, value in sorted(summary.get("metrics", {}).items()):

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from skyrl_contracts.events import MetricEvent
 from skyrl_cli.metrics.sinks import Sink
+from skyrl_contracts.events import MetricEvent
 from skyrl_contracts.schema import WandbConfig
 
 INIT_TIMEOUT_S = 20.0
@@ -20,7 +20,9 @@ INIT_TIMEOUT_S = 20.0
 class WandbSink(Sink):
     name = "wandb"
 
-    def __init__(self, config: WandbConfig, run_name: str, run_dir: str | os.PathLike, recipe: dict[str, Any] | None = None):
+    def __init__(
+        self, config: WandbConfig, run_name: str, run_dir: str | os.PathLike, recipe: dict[str, Any] | None = None
+    ):
         self.config = config
         self.run_name = run_name
         self.run_dir = Path(run_dir)
@@ -63,7 +65,9 @@ class WandbSink(Sink):
         run.finish()
 
 
-def wandb_sink_for(config: WandbConfig, run_name: str, run_dir: str | os.PathLike, recipe: dict[str, Any] | None = None) -> WandbSink | None:
+def wandb_sink_for(
+    config: WandbConfig, run_name: str, run_dir: str | os.PathLike, recipe: dict[str, Any] | None = None
+) -> WandbSink | None:
     """The sink the recipe asks for, or None when ``logging.wandb.mode = "disabled"``."""
     if config.mode == "disabled":
         return None

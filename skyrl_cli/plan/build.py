@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from skyrl_contracts.errors import UsageError
+from skyrl_cli.plan.feasibility import assert_feasible
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
-from skyrl_cli.plan.feasibility import assert_feasible
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 
 # (recipe, run_dir, resume, async_mode, machine, recipe_dir) -> plan. ``recipe_dir``: the recipe
@@ -63,7 +63,12 @@ def _plan_quantize(
     return plan_quantize(recipe, run_dir, resume, machine)
 
 
-STAGE_PLANNERS: dict[str, Planner] = {"sft": plan_sft, "rl": _plan_rl, "tinker": _plan_tinker, "quantize": _plan_quantize}
+STAGE_PLANNERS: dict[str, Planner] = {
+    "sft": plan_sft,
+    "rl": _plan_rl,
+    "tinker": _plan_tinker,
+    "quantize": _plan_quantize,
+}
 
 
 def build_plan(

@@ -18,14 +18,14 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.inference import VLLM_HEAD_SIZES, VLLM_LORA_RANKS
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.trainer import trainer_device, world_size
 from skyrl_cli.plan.weight_sync import weight_sync_problems
 from skyrl_cli.recipe.locator import dotted
-from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import Problem, resolve_path
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.schema import Recipe
 
 
 def load_feasible_recipe(
@@ -49,7 +49,9 @@ def feasibility_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path |
     current directory)."""
     problems = _core_problems(recipe, machine) + _device_problems(recipe, machine)
     base_dir = base_dir or Path.cwd()
-    problems += _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe) + lora_problems(recipe, base_dir)
+    problems += (
+        _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe) + lora_problems(recipe, base_dir)
+    )
     return problems + quantization_problems(recipe, base_dir) + weight_sync_problems(recipe, machine)
 
 
@@ -80,7 +82,12 @@ def _device_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
     if trainer_device(recipe, machine) == "cpu":
         if engines and inference.tensor_parallel > 1:
             why = "no GPU is visible" if not gpu_count else 'trainer.device = "cpu"'
-            return [Problem(("inference", "tensor_parallel"), f"{inference.tensor_parallel} GPUs per engine, but the engines run on CPU ({why})")]
+            return [
+                Problem(
+                    ("inference", "tensor_parallel"),
+                    f"{inference.tensor_parallel} GPUs per engine, but the engines run on CPU ({why})",
+                )
+            ]
         return []
     if gpu_count == 0:
         return [Problem(("trainer", "device"), 'device = "cuda" but no GPU is visible')]
@@ -106,7 +113,9 @@ def _batch_problems(recipe: Recipe) -> list[Problem]:
     """Global batches are split over every trainer rank, so each needs at least one sequence per rank."""
     sft, world = recipe.sft, world_size(recipe)
     if sft is not None and sft.batch_size < world:
-        return [Problem(("sft", "batch_size"), f"{sft.batch_size} sequences cannot be split over {world} trainer ranks")]
+        return [
+            Problem(("sft", "batch_size"), f"{sft.batch_size} sequences cannot be split over {world} trainer ranks")
+        ]
     return []
 
 
@@ -117,15 +126,26 @@ def _rl_problems(recipe: Recipe) -> list[Problem]:
     problems = []
     sequences = rl.prompts_per_step * rl.samples_per_prompt
     if sequences < world:
-        problems.append(Problem(("rl", "prompts_per_step"), f"{sequences} sequences per step cannot be split over {world} trainer ranks"))
+        problems.append(
+            Problem(
+                ("rl", "prompts_per_step"), f"{sequences} sequences per step cannot be split over {world} trainer ranks"
+            )
+        )
     if rl.advantage.kind in ("grpo", "rloo") and rl.samples_per_prompt < 2:
-        problems.append(Problem(("rl", "samples_per_prompt"), f"{rl.advantage.kind} needs at least 2 samples per prompt"))
+        problems.append(
+            Problem(("rl", "samples_per_prompt"), f"{rl.advantage.kind} needs at least 2 samples per prompt")
+        )
     per_slice = rl.prompts_per_step // rl.mini_batches * rl.samples_per_prompt
     if rl.mini_batches > rl.prompts_per_step:
         why = f"{rl.mini_batches} mini-batches of whole groups need at least as many prompts per step ({rl.prompts_per_step})"
         problems.append(Problem(("rl", "mini_batches"), why))
     elif rl.mini_batches > 1 and per_slice < world:  # one mini-batch is the whole step: checked above
-        problems.append(Problem(("rl", "mini_batches"), f"a mini-batch of {per_slice} sequences cannot be split over {world} trainer ranks"))
+        problems.append(
+            Problem(
+                ("rl", "mini_batches"),
+                f"a mini-batch of {per_slice} sequences cannot be split over {world} trainer ranks",
+            )
+        )
     max_model_len = recipe.inference.max_model_len
     if max_model_len is not None and rl.max_new_tokens >= max_model_len:
         why = f"{rl.max_new_tokens} leaves no room for the prompt in inference.max_model_len ({max_model_len})"
@@ -146,7 +166,9 @@ def _serving_problems(recipe: Recipe) -> list[Problem]:
         )
         problems.append(Problem(("model", "init", "heads"), why))
     if lora is not None and lora.rank > VLLM_LORA_RANKS[-1]:
-        problems.append(Problem(("model", "lora", "rank"), f"{lora.rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"))
+        problems.append(
+            Problem(("model", "lora", "rank"), f"{lora.rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+        )
     return problems
 
 
@@ -172,13 +194,20 @@ def lora_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
         return []
     problems = []
     if recipe.trainer.zero_stage == 3:
-        problems.append(Problem(("trainer", "zero_stage"), "3: LoRA trains with ZeRO stages 0-2 (peft's frozen base "
-                                                          "weights under ZeRO-3 are not supported); use 0, 1 or 2"))  # fmt: skip
+        problems.append(
+            Problem(
+                ("trainer", "zero_stage"),
+                "3: LoRA trains with ZeRO stages 0-2 (peft's frozen base "
+                "weights under ZeRO-3 are not supported); use 0, 1 or 2",
+            )
+        )
     if recipe.rl is not None and _model_type(recipe, base_dir) in LLAMA_LIKE:
         unserved = [t for t in lora.target_modules if t.split(".")[-1] not in VLLM_LORA_LLAMA_MODULES]
         if unserved:
-            why = (f"{', '.join(unserved)}: vLLM serves LoRA adapters only on {', '.join(VLLM_LORA_LLAMA_MODULES)} "
-                   "of this architecture; remove the others")  # fmt: skip
+            why = (
+                f"{', '.join(unserved)}: vLLM serves LoRA adapters only on {', '.join(VLLM_LORA_LLAMA_MODULES)} "
+                "of this architecture; remove the others"
+            )
             problems.append(Problem(("model", "lora", "target_modules"), why))
     return problems
 
@@ -202,25 +231,39 @@ def _llama_shape(recipe: Recipe, base_dir: Path) -> dict | None:
     starts from (``quantization.init_from``, else the recipe's model); None when unknown."""
     init, source = recipe.model.init, recipe.quantization.init_from
     if source == "sft" and init is not None:
-        return {"hidden": init.hidden_size, "intermediate": init.intermediate_size or 4 * init.hidden_size,
-                "attention": init.hidden_size, "layers": init.layers}  # fmt: skip
+        return {
+            "hidden": init.hidden_size,
+            "intermediate": init.intermediate_size or 4 * init.hidden_size,
+            "attention": init.hidden_size,
+            "layers": init.layers,
+        }
     config = _config_json(resolve_path(recipe.model.path if source == "sft" else source, base_dir))
     if not config or not isinstance(config.get("model_type"), str) or config["model_type"] not in LLAMA_LIKE:
         return None
     try:
         heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
         attention = heads * int(config.get("head_dim") or hidden // heads)
-        return {"hidden": hidden, "intermediate": int(config["intermediate_size"]), "attention": attention,
-                "layers": int(config["num_hidden_layers"])}  # fmt: skip
+        return {
+            "hidden": hidden,
+            "intermediate": int(config["intermediate_size"]),
+            "attention": attention,
+            "layers": int(config["num_hidden_layers"]),
+        }
     except (KeyError, TypeError, ValueError, ArithmeticError):  # no heads, Infinity, ...: shape unknown
         return None
 
 
 def llama_linear_inputs(shape: dict) -> dict[str, int]:
     """Input width of every decoder Linear layer of a Llama-like model, by module name."""
-    widths = {"self_attn.q_proj": "hidden", "self_attn.k_proj": "hidden", "self_attn.v_proj": "hidden",
-              "self_attn.o_proj": "attention", "mlp.gate_proj": "hidden", "mlp.up_proj": "hidden",
-              "mlp.down_proj": "intermediate"}  # fmt: skip
+    widths = {
+        "self_attn.q_proj": "hidden",
+        "self_attn.k_proj": "hidden",
+        "self_attn.v_proj": "hidden",
+        "self_attn.o_proj": "attention",
+        "mlp.gate_proj": "hidden",
+        "mlp.up_proj": "hidden",
+        "mlp.down_proj": "intermediate",
+    }
     return {f"model.layers.{i}.{name}": shape[key] for i in range(shape["layers"]) for name, key in widths.items()}
 
 
@@ -230,22 +273,35 @@ def _target_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
     quant = recipe.quantization
     kept = [t for t in quant.targets if t.split(".")[-1] in FULL_PRECISION_LAYERS]
     if kept:
-        return [Problem(("quantization", "targets"), f"{', '.join(kept)} stays in full precision (the W4A16 export "
-                                                     "quantizes the decoder's Linear layers); remove it")]  # fmt: skip
+        return [
+            Problem(
+                ("quantization", "targets"),
+                f"{', '.join(kept)} stays in full precision (the W4A16 export "
+                "quantizes the decoder's Linear layers); remove it",
+            )
+        ]
     shape = _llama_shape(recipe, base_dir)
     if shape is None:  # an architecture we do not know: the quantizer checks it at its start
         return []
     chosen = {name: width for name, width in llama_linear_inputs(shape).items() if quant.selects(name)}
     if not chosen:
-        return [Problem(("quantization", "targets"), f"{list(quant.targets)} select no Linear layer of the model "
-                                                     "(its layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")]  # fmt: skip
+        return [
+            Problem(
+                ("quantization", "targets"),
+                f"{list(quant.targets)} select no Linear layer of the model "
+                "(its layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
+            )
+        ]
     bad: dict[int, list[str]] = {}
     for name, width in chosen.items():
         layer = name.rsplit(".", 1)[-1]
         if width % quant.group_size and layer not in bad.setdefault(width, []):
             bad[width].append(layer)
     return [
-        Problem(("quantization", "group_size"), f"{quant.group_size} does not divide the input width {width} of {', '.join(layers)}")
+        Problem(
+            ("quantization", "group_size"),
+            f"{quant.group_size} does not divide the input width {width} of {', '.join(layers)}",
+        )
         for width, layers in sorted(bad.items())
         if layers
     ]
@@ -258,14 +314,23 @@ def quantization_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
         return []
     problems = []
     if recipe.model.lora is not None:
-        problems.append(Problem(("model", "lora"), "INT4 quantization fine-tunes and exports all weights, not LoRA "
-                                                   "adapters; remove model.lora or the [quantization] section"))  # fmt: skip
+        problems.append(
+            Problem(
+                ("model", "lora"),
+                "INT4 quantization fine-tunes and exports all weights, not LoRA "
+                "adapters; remove model.lora or the [quantization] section",
+            )
+        )
     # with [rl] the section also acts there (int4_qat, int4_rollouts); init_from is skyrl quantize's,
     # which says itself when there is no model to quantize
     if quant.init_from == "sft" and recipe.sft is None and recipe.rl is None:
         why = '"sft" is this recipe\'s SFT output, but the recipe has no [sft] section; give a checkpoint directory'
         problems.append(Problem(("quantization", "init_from"), why))
     if quant.int4_rollouts and recipe.rl is None:
-        problems.append(Problem(("quantization", "int4_rollouts"), "INT4 rollouts act in the RL stage and the recipe "
-                                                                   "has no [rl] section"))  # fmt: skip
+        problems.append(
+            Problem(
+                ("quantization", "int4_rollouts"),
+                "INT4 rollouts act in the RL stage and the recipe has no [rl] section",
+            )
+        )
     return problems + _target_problems(recipe, base_dir)

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
-from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.plan.machine import cpu_has_native_bf16
+from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.recipe.lengths import with_model_lengths
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 from skyrl_contracts.schema import Recipe, RouterConfig, SpeculativeConfig
@@ -113,26 +113,43 @@ def engine_dtype(recipe: Recipe, machine: Machine) -> str:
 
 
 def engine_argv(
-    recipe: Recipe, machine: Machine, port: int, model_dir: str, index: int = 0, async_mode: bool = False,
+    recipe: Recipe,
+    machine: Machine,
+    port: int,
+    model_dir: str,
+    index: int = 0,
+    async_mode: bool = False,
     weight_sync: str = "disk",
 ) -> tuple[str, ...]:
     inf = recipe.inference
     argv = [
-        machine.python, "-m", "backends.inference.serve", str(model_dir),
-        "--host", machine.host,
-        "--port", str(port),
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--dtype", engine_dtype(recipe, machine),
-        "--max-model-len", str(inf.max_model_len),
-        "--max-num-seqs", str(inf.max_num_seqs),
+        machine.python,
+        "-m",
+        "backends.inference.serve",
+        str(model_dir),
+        "--host",
+        machine.host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--dtype",
+        engine_dtype(recipe, machine),
+        "--max-model-len",
+        str(inf.max_model_len),
+        "--max-num-seqs",
+        str(inf.max_num_seqs),
         # A distinct sampling seed per engine: with one seed, the k-th request on every engine
         # draws the same random numbers, and samples of a group spread over engines repeat.
-        "--seed", str(recipe.seed + index),
+        "--seed",
+        str(recipe.seed + index),
         "--enable-scale-out",
-        "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
         "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    ]
     if machine.device == "cpu":
         # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here.
         argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
@@ -140,9 +157,11 @@ def engine_argv(
             argv += ["--distributed-executor-backend", "uni"]
     else:
         argv += [
-            "--tensor-parallel-size", str(inf.tensor_parallel),
-            "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-        ]  # fmt: skip
+            "--tensor-parallel-size",
+            str(inf.tensor_parallel),
+            "--gpu-memory-utilization",
+            str(inf.gpu_memory_utilization),
+        ]
     if weight_sync == "nccl":  # the receiving side of backends.inference.nccl_sync
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if inf.speculative is not None:
@@ -184,7 +203,9 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
-def engine_env(recipe: Recipe, machine: Machine, index: int, async_mode: bool = False) -> tuple[dict[str, str], tuple[str, ...]]:
+def engine_env(
+    recipe: Recipe, machine: Machine, index: int, async_mode: bool = False
+) -> tuple[dict[str, str], tuple[str, ...]]:
     """Environment and owned devices of engine ``index``."""
     env = {
         "VLLM_SERVER_DEV_MODE": "1",
@@ -199,7 +220,9 @@ def engine_env(recipe: Recipe, machine: Machine, index: int, async_mode: bool = 
         # VLLM_CPU_CI_ENV skips the start-up warm-up (seconds per engine, nothing to warm on CPU
         # with eager execution). SKYRL_ENGINE_IDLE_SPIN_S: see backends/inference/serve.py (an idle
         # engine otherwise spins a core the trainer needs).
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"})
+        env.update(
+            {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"}
+        )
         if model_in_engine_core(machine, async_mode):
             # vLLM's CPU platform forces the multiprocess executor unless this is 0; the API server
             # still runs the EngineCore in a process of its own (AsyncLLM always does), so the OMP
@@ -213,7 +236,11 @@ def engine_env(recipe: Recipe, machine: Machine, index: int, async_mode: bool = 
 
 
 def engine_specs(
-    recipe: Recipe, machine: Machine, ports: Sequence[int], model_dir: str, async_mode: bool = False,
+    recipe: Recipe,
+    machine: Machine,
+    ports: Sequence[int],
+    model_dir: str,
+    async_mode: bool = False,
     weight_sync: str = "disk",
 ) -> list[ProcessSpec]:
     """One ProcessSpec per local engine (``recipe.inference.engines`` of them). The devices fit:
@@ -260,14 +287,22 @@ def router_failure_args(router: RouterConfig) -> tuple[str, ...]:
     ``--retry-max-retries`` counts attempts, 1 is none; the breaker opens after consecutive failures
     and closes after ``--cb-success-threshold`` successful trials)."""
     args = (
-        "--retry-max-retries", str(router.retries + 1),
-        "--retry-initial-backoff-ms", str(router.retry_backoff_ms),
-        "--retry-max-backoff-ms", str(router.retry_max_backoff_ms),
-    )  # fmt: skip
+        "--retry-max-retries",
+        str(router.retries + 1),
+        "--retry-initial-backoff-ms",
+        str(router.retry_backoff_ms),
+        "--retry-max-backoff-ms",
+        str(router.retry_max_backoff_ms),
+    )
     if router.circuit_breaker_failures == 0:
         return (*args, "--disable-circuit-breaker")
-    return (*args, "--cb-failure-threshold", str(router.circuit_breaker_failures),
-            "--cb-timeout-duration-secs", str(router.circuit_breaker_open_s))  # fmt: skip
+    return (
+        *args,
+        "--cb-failure-threshold",
+        str(router.circuit_breaker_failures),
+        "--cb-timeout-duration-secs",
+        str(router.circuit_breaker_open_s),
+    )
 
 
 def router_spec(
@@ -276,19 +311,29 @@ def router_spec(
     inf = recipe.inference
     argv = (
         router_binary(machine),
-        "--host", machine.host,
-        "--port", str(port),
-        "--worker-urls", *worker_urls,
-        "--policy", inf.router.policy,
-        "--prometheus-host", machine.host,
-        "--prometheus-port", str(prometheus_port),
-        "--request-timeout-secs", str(int(inf.request_timeout_s) + 30),
-        "--health-check-interval-secs", str(ROUTER_HEALTH_CHECK_INTERVAL_S),
+        "--host",
+        machine.host,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        inf.router.policy,
+        "--prometheus-host",
+        machine.host,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--request-timeout-secs",
+        str(int(inf.request_timeout_s) + 30),
+        "--health-check-interval-secs",
+        str(ROUTER_HEALTH_CHECK_INTERVAL_S),
         # Engines are already healthy when the router starts (the supervisor waited for them).
-        "--worker-startup-timeout-secs", "30",
+        "--worker-startup-timeout-secs",
+        "30",
         *router_failure_args(inf.router),
-        "--log-level", "warning",
-    )  # fmt: skip
+        "--log-level",
+        "warning",
+    )
     return ProcessSpec(
         name="router",
         role="router",

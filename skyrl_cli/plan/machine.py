@@ -17,7 +17,6 @@ from typing import Callable
 from skyrl_contracts.ports import find_free_ports
 
 
-
 def default_torch_extensions_dir() -> str:
     """Where DeepSpeed caches the CPU ops it compiles (fixed, so they are built once per machine)."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):

@@ -41,7 +41,9 @@ class ProcessSpec(Frozen):
 
 
 class LaunchPlan(Frozen):
-    stage: Literal["sft", "rl", "tinker", "quantize"]  # a stage is listed here once it has a planner (plan.build.STAGE_PLANNERS)
+    stage: Literal[
+        "sft", "rl", "tinker", "quantize"
+    ]  # a stage is listed here once it has a planner (plan.build.STAGE_PLANNERS)
     run_dir: str
     device: Literal["cpu", "cuda"]
     resume: bool = False

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import ModelConfig, Recipe
 
 QUANTIZER_NAME = "quantizer"
@@ -46,9 +46,20 @@ def stage_recipe(recipe: Recipe, source: Path, qat: bool) -> Recipe:
 
 def ptq_spec(run_dir: Path, source: str, machine: MachineFacts) -> ProcessSpec:
     argv = (machine.python, "-m", PTQ_MODULE, "--run-dir", str(run_dir), "--model", source)
-    env = {"OMP_NUM_THREADS": str(max(1, machine.cores)), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    return ProcessSpec(name=QUANTIZER_NAME, role="quantizer", argv=argv, env=env, devices=tuple(f"cpu:{c}" for c in machine.cpu_cores), kind="job")
+    env = {
+        "OMP_NUM_THREADS": str(max(1, machine.cores)),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    return ProcessSpec(
+        name=QUANTIZER_NAME,
+        role="quantizer",
+        argv=argv,
+        env=env,
+        devices=tuple(f"cpu:{c}" for c in machine.cpu_cores),
+        kind="job",
+    )
 
 
 def plan_quantize(recipe: Recipe, run_dir: Path, resume: bool, machine: MachineFacts) -> LaunchPlan:
@@ -66,6 +77,10 @@ def plan_quantize(recipe: Recipe, run_dir: Path, resume: bool, machine: MachineF
     resources = trainer_resources(recipe, machine)
     trainer = trainer_spec(recipe, run_dir, machine, module=QAT_MODULE, resume=resume, resources=resources)
     return LaunchPlan(
-        stage="quantize", run_dir=str(run_dir), device=resources.device, resume=resume,
-        world_size=world_size(recipe), processes=(trainer,),
-    )  # fmt: skip
+        stage="quantize",
+        run_dir=str(run_dir),
+        device=resources.device,
+        resume=resume,
+        world_size=world_size(recipe),
+        processes=(trainer,),
+    )

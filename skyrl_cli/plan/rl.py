@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
 from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 
 ORCHESTRATOR_NAME = "orchestrator"
@@ -40,26 +40,46 @@ def init_model_dir(recipe: Recipe, runs_root: Path | None = None) -> Path:
 def inference_machine(recipe: Recipe, machine: MachineFacts, device: str) -> Machine:
     if device == "cuda":
         taken = set(trainer_gpus(recipe, machine))
-        return Machine("cuda", engine_cores=machine.cpu_cores, engine_gpus=tuple(g for g in machine.gpus if g not in taken),
-                       python=machine.python, host=machine.host)  # fmt: skip
-    return Machine("cpu", engine_cores=machine.cpu_cores, python=machine.python, host=machine.host, cpu_bf16=machine.cpu_bf16)
+        return Machine(
+            "cuda",
+            engine_cores=machine.cpu_cores,
+            engine_gpus=tuple(g for g in machine.gpus if g not in taken),
+            python=machine.python,
+            host=machine.host,
+        )
+    return Machine(
+        "cpu", engine_cores=machine.cpu_cores, python=machine.python, host=machine.host, cpu_bf16=machine.cpu_bf16
+    )
 
 
 def orchestrator_spec(
-    run_dir: Path, init_from: Path, router_url: str, engine_urls: list[str], machine: MachineFacts, async_mode: bool,
-    recipe_dir: Path | None = None, weight_sync: str = "disk",
+    run_dir: Path,
+    init_from: Path,
+    router_url: str,
+    engine_urls: list[str],
+    machine: MachineFacts,
+    async_mode: bool,
+    recipe_dir: Path | None = None,
+    weight_sync: str = "disk",
 ) -> ProcessSpec:
     """``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
     ``rl.environment`` modules are found next to the recipe, like its files (then the directory
     skyrl runs in, which ``python -m`` puts on the path, then the installed packages)."""
     argv = [
-        machine.python, "-m", "backends.rollout.orchestrator",
-        "--run-dir", str(run_dir),
-        "--init-from", str(init_from),
-        "--router-url", router_url,
-        "--engine-urls", ",".join(engine_urls),
-        "--weight-sync", weight_sync,
-    ]  # fmt: skip
+        machine.python,
+        "-m",
+        "backends.rollout.orchestrator",
+        "--run-dir",
+        str(run_dir),
+        "--init-from",
+        str(init_from),
+        "--router-url",
+        router_url,
+        "--engine-urls",
+        ",".join(engine_urls),
+        "--weight-sync",
+        weight_sync,
+    ]
     if async_mode:
         argv.append("--async")
     if recipe_dir is not None:
@@ -72,7 +92,9 @@ ENGINE_MODEL_JOB = "engine-model"
 UNTIE_MODULE = "backends.models.tied"
 
 
-def engine_model_setup(recipe: Recipe, run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
+def engine_model_setup(
+    recipe: Recipe, run_dir: Path, init_from: Path, machine: MachineFacts
+) -> tuple[tuple[ProcessSpec, ...], Path]:
     """The model the engines start from, and the setup job that makes it. Returns (setup jobs, model).
 
     - LoRA: ``init_from`` itself (its weights never reload; versions are adapters).
@@ -116,11 +138,21 @@ def plan_rl(
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
     router_url = engine_url(inf_machine, router_port)
     trainer = trainer_spec(
-        recipe, run_dir, machine, module=LEARNER_MODULE, resume=resume,
-        resources=trainer_resources(recipe, machine), port=rdzv_port,
-        extra_args=("--init-from", str(init_from), "--engine-dtype", engine_dtype(recipe, inf_machine),
-                    *learner_sync_args(recipe, weight_sync, urls, machine.host, nccl_port)),
-    )  # fmt: skip
+        recipe,
+        run_dir,
+        machine,
+        module=LEARNER_MODULE,
+        resume=resume,
+        resources=trainer_resources(recipe, machine),
+        port=rdzv_port,
+        extra_args=(
+            "--init-from",
+            str(init_from),
+            "--engine-dtype",
+            engine_dtype(recipe, inf_machine),
+            *learner_sync_args(recipe, weight_sync, urls, machine.host, nccl_port),
+        ),
+    )
     # With NCCL the learner opens its group with the engines at start-up, so it waits for them.
     trainer = trainer.model_copy(update={"start_with_engines": weight_sync != "nccl"})
     orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync)
@@ -138,14 +170,20 @@ def plan_rl(
     )
 
 
-def learner_sync_args(recipe: Recipe, weight_sync: str, engine_urls: list[str], host: str, port: int) -> tuple[str, ...]:
+def learner_sync_args(
+    recipe: Recipe, weight_sync: str, engine_urls: list[str], host: str, port: int
+) -> tuple[str, ...]:
     """The learner's side of the NCCL sync: rank 0 opens the group at ``host:port`` (the rendezvous
     of the trainer's sender and every engine worker) and drives the engines' transfer routes."""
     if weight_sync != "nccl":
         return ()
     return (
-        "--weight-sync", "nccl",
-        "--engine-urls", ",".join(engine_urls),
-        "--tensor-parallel", str(recipe.inference.tensor_parallel),
-        "--nccl-address", f"{host}:{port}",
-    )  # fmt: skip
+        "--weight-sync",
+        "nccl",
+        "--engine-urls",
+        ",".join(engine_urls),
+        "--tensor-parallel",
+        str(recipe.inference.tensor_parallel),
+        "--nccl-address",
+        f"{host}:{port}",
+    )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.inference import (
     Machine,
     all_engine_urls,
@@ -22,6 +21,7 @@ from skyrl_cli.plan.inference import (
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec, ReadinessCheck
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import LoraConfig, Recipe
 
 SERVER_NAME = "tinker-server"
@@ -88,14 +88,21 @@ def plan_tinker(recipe: Recipe, run_dir: Path, machine: MachineFacts, engines: b
     router_url = None
     if engines:
         erecipe = engine_recipe(recipe)
-        inf_machine = Machine("cpu" if not machine.gpus else "cuda", engine_cores=machine.cpu_cores,
-                              engine_gpus=machine.gpus, python=machine.python, host=machine.host,
-                              cpu_bf16=machine.cpu_bf16)  # fmt: skip
+        inf_machine = Machine(
+            "cpu" if not machine.gpus else "cuda",
+            engine_cores=machine.cpu_cores,
+            engine_gpus=machine.gpus,
+            python=machine.python,
+            host=machine.host,
+            cpu_bf16=machine.cpu_bf16,
+        )
         ports = machine.free_ports(inf.engines + 2)
         engine_ports, (router_port, prometheus_port) = ports[: inf.engines], ports[inf.engines :]
         router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
-        specs = [with_max_loras(s, recipe.tinker.max_live_adapters)
-                 for s in engine_specs(erecipe, inf_machine, engine_ports, str(Path(recipe.model.path).resolve()))]  # fmt: skip
+        specs = [
+            with_max_loras(s, recipe.tinker.max_live_adapters)
+            for s in engine_specs(erecipe, inf_machine, engine_ports, str(Path(recipe.model.path).resolve()))
+        ]
         urls = all_engine_urls(erecipe, inf_machine, engine_ports)
         router = router_spec(erecipe, inf_machine, urls, router_port, prometheus_port)
         router_url = engine_url(inf_machine, router_port)
@@ -120,6 +127,12 @@ def plan_tinker(recipe: Recipe, run_dir: Path, machine: MachineFacts, engines: b
         kind="job",
     )
     processes.append(server)
-    plan = LaunchPlan(stage="tinker", run_dir=str(run_dir), device="cpu" if not machine.gpus else "cuda",
-                      engine_urls=tuple(urls), router_url=router_url, processes=tuple(processes))  # fmt: skip
+    plan = LaunchPlan(
+        stage="tinker",
+        run_dir=str(run_dir),
+        device="cpu" if not machine.gpus else "cuda",
+        engine_urls=tuple(urls),
+        router_url=router_url,
+        processes=tuple(processes),
+    )
     return plan, config

@@ -90,14 +90,22 @@ def trainer_spec(
     res = resources or trainer_resources(recipe, machine)
     endpoint = rendezvous_endpoint(recipe, machine, port)
     argv = [
-        machine.python, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(trainer.ranks),
-        "--nnodes", str(trainer.nnodes),
-        "--node-rank", str(trainer.node_rank),
-        "--rdzv-endpoint", endpoint,
-        "-m", module,
-        "--run-dir", str(run_dir),
-    ]  # fmt: skip
+        machine.python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(trainer.ranks),
+        "--nnodes",
+        str(trainer.nnodes),
+        "--node-rank",
+        str(trainer.node_rank),
+        "--rdzv-endpoint",
+        endpoint,
+        "-m",
+        module,
+        "--run-dir",
+        str(run_dir),
+    ]
     if resume:
         argv.append("--resume")
     argv += list(extra_args)

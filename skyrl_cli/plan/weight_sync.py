@@ -22,8 +22,8 @@ from typing import Literal
 
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.trainer import trainer_device
-from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import Problem
+from skyrl_contracts.schema import Recipe
 
 WeightSync = Literal["nccl", "disk", "lora"]
 KEY = ("inference", "weight_sync")
@@ -50,9 +50,11 @@ def nccl_obstacles(recipe: Recipe, device: str, transfer_available: bool) -> lis
     if device != "cuda":
         why.append("the trainer runs on CPU; the NCCL weight sync needs CUDA")
     if recipe.model.lora is not None:
-        why.append("LoRA RL syncs adapters, not weights; remove the key or set it to \"auto\"")
+        why.append('LoRA RL syncs adapters, not weights; remove the key or set it to "auto"')
     if recipe.trainer.zero_stage == 3:
-        why.append("ZeRO-3 partitions the weights over the ranks, so rank 0 cannot send them; use trainer.zero_stage <= 2")
+        why.append(
+            "ZeRO-3 partitions the weights over the ranks, so rank 0 cannot send them; use trainer.zero_stage <= 2"
+        )
     if recipe.inference.urls:
         why.append("remote engines (inference.urls) are not in the trainer's NCCL group")
     if recipe.quantization is not None and recipe.quantization.int4_rollouts:
@@ -70,7 +72,9 @@ def select_weight_sync(recipe: Recipe, device: str, transfer_available: bool) ->
     return "disk" if nccl_obstacles(recipe, device, transfer_available) else "nccl"
 
 
-def weight_sync_problems(recipe: Recipe, machine: MachineFacts, transfer_available: bool | None = None) -> list[Problem]:
+def weight_sync_problems(
+    recipe: Recipe, machine: MachineFacts, transfer_available: bool | None = None
+) -> list[Problem]:
     """An explicit ``inference.weight_sync = "nccl"`` that this machine cannot run (RL stage only)."""
     if recipe.rl is None or recipe.inference.weight_sync != "nccl":
         return []

@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import Problem, resolve_path
+from skyrl_contracts.schema import Recipe
 
 LENGTH_CAP = 512
 

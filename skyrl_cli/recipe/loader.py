@@ -21,12 +21,10 @@ from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
-from skyrl_contracts.errors import RecipeError
 from skyrl_cli.recipe.keys import table_model, unknown_key_message
 from skyrl_cli.recipe.lengths import length_problems, with_model_lengths
 from skyrl_cli.recipe.locator import dotted, line_of, locate_keys
 from skyrl_cli.recipe.overrides import Override, apply_overrides, parse_overrides
-from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import (
     Problem,
     data_problems,
@@ -36,6 +34,8 @@ from skyrl_cli.recipe.validate import (
     user_code_problems,
     with_absolute_paths,
 )
+from skyrl_contracts.errors import RecipeError
+from skyrl_contracts.schema import Recipe
 
 _SET_LINE = 1 << 30  # --set problems sort after the file's
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)$|\s*\(at end of document\)$")
@@ -118,7 +118,9 @@ def load_recipe(
         source = raw.decode("utf-8")
     except UnicodeDecodeError as err:  # TOML is UTF-8 by definition
         line = raw[: err.start].count(b"\n") + 1
-        raise RecipeError([f"{file}:{line}: not UTF-8 text (byte {raw[err.start]:#04x}); TOML files are UTF-8"]) from None
+        raise RecipeError(
+            [f"{file}:{line}: not UTF-8 text (byte {raw[err.start]:#04x}); TOML files are UTF-8"]
+        ) from None
     try:
         data = tomllib.loads(source)
     except tomllib.TOMLDecodeError as err:

@@ -145,8 +145,13 @@ def user_code_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
     for path in USER_CODE_KEYS:
         ref = _get(recipe.model_dump(by_alias=True), path)
         if isinstance(ref, str) and not module_findable(ref.partition(":")[0], [base_dir, Path.cwd()]):
-            problems.append(Problem(path, f"cannot find module {ref.partition(':')[0]!r} (looked next to the recipe, "
-                                          "in the current directory and in the installed packages)"))  # fmt: skip
+            problems.append(
+                Problem(
+                    path,
+                    f"cannot find module {ref.partition(':')[0]!r} (looked next to the recipe, "
+                    "in the current directory and in the installed packages)",
+                )
+            )
     return problems
 
 
@@ -182,7 +187,12 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
     off_policy = rl.async_.off_policy
     if loss.ratio == "rollout":
         for key in sorted({"token_is_cap", "seq_is_cap"} & off_policy.model_fields_set):
-            problems.append(Problem(("rl", "async", "off_policy", key), 'with rl.loss.ratio = "rollout" the ratio to the sampler carries the behaviour correction; no separate IS weight applies'))
+            problems.append(
+                Problem(
+                    ("rl", "async", "off_policy", key),
+                    'with rl.loss.ratio = "rollout" the ratio to the sampler carries the behaviour correction; no separate IS weight applies',
+                )
+            )
     return problems
 
 
@@ -197,5 +207,10 @@ def data_problems(recipe: Recipe) -> list[Problem]:
     data = recipe.data
     if data.flawed_demos and data.task not in TASKS_WITH_A_FLAW:
         what = f'task = "{data.task}"' if data.task else "data files"
-        return [Problem(("data", "flawed_demos"), f"flawed demonstrations exist for the built-in task addition only, not for {what}")]
+        return [
+            Problem(
+                ("data", "flawed_demos"),
+                f"flawed demonstrations exist for the built-in task addition only, not for {what}",
+            )
+        ]
     return []

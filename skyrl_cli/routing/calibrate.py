@@ -25,9 +25,9 @@ from typing import Sequence
 import httpx
 import numpy as np
 
-from skyrl_contracts.engine_api import GENERATE_PATH, SERVED_MODEL_NAME
 from skyrl_cli.routing.engine_model import StepCost
 from skyrl_cli.routing.live import post
+from skyrl_contracts.engine_api import GENERATE_PATH, SERVED_MODEL_NAME
 
 # (concurrent requests m, prompt tokens P, generated tokens D)
 DECODE_SHAPES = [(1, 16, 32), (4, 16, 32), (8, 16, 32), (16, 16, 32)]
@@ -40,12 +40,16 @@ WINDOW_S = 2.5
 class FittedCost:
     cost: StepCost
     request_overhead_s: float
-    points: list[dict]           # shape, measured and fitted seconds
+    points: list[dict]  # shape, measured and fitted seconds
     max_relative_error: float
 
     def to_dict(self) -> dict:
-        return {"cost": asdict(self.cost), "request_overhead_s": self.request_overhead_s, "points": self.points,
-                "max_relative_error": self.max_relative_error}
+        return {
+            "cost": asdict(self.cost),
+            "request_overhead_s": self.request_overhead_s,
+            "points": self.points,
+            "max_relative_error": self.max_relative_error,
+        }
 
 
 def features(m: int, prompt: int, decode: int) -> list[float]:
@@ -72,14 +76,24 @@ def fit_step_cost(measured: Sequence[tuple[tuple[int, int, int], float]]) -> Fit
     x = nnls(a, np.ones(len(shapes)))
     c0, c1, base, prefill, per_seq, per_kv = (float(v) for v in x)
     fitted = np.array([features(*s) for s in shapes]) @ x
-    points = [{"m": m, "prompt": p, "decode": d, "measured_s": float(t), "fitted_s": float(f)}
-              for (m, p, d), t, f in zip(shapes, seconds, fitted)]
-    return FittedCost(StepCost(base, prefill, per_seq, per_kv), c0 + c1, points,
-                      float(np.max(np.abs(fitted / seconds - 1))))
+    points = [
+        {"m": m, "prompt": p, "decode": d, "measured_s": float(t), "fitted_s": float(f)}
+        for (m, p, d), t, f in zip(shapes, seconds, fitted)
+    ]
+    return FittedCost(
+        StepCost(base, prefill, per_seq, per_kv), c0 + c1, points, float(np.max(np.abs(fitted / seconds - 1)))
+    )
 
 
-async def _closed_loop_latency(http: httpx.AsyncClient, url: str, shape: tuple[int, int, int],
-                               rng: np.random.Generator, token_pool: np.ndarray, model: str, window_s: float) -> float:
+async def _closed_loop_latency(
+    http: httpx.AsyncClient,
+    url: str,
+    shape: tuple[int, int, int],
+    rng: np.random.Generator,
+    token_pool: np.ndarray,
+    model: str,
+    window_s: float,
+) -> float:
     """Mean latency of requests of ``shape`` sent back to back by m streams for ``window_s`` seconds."""
     m, prompt, decode = shape
     deadline = time.monotonic() + window_s
@@ -87,9 +101,17 @@ async def _closed_loop_latency(http: httpx.AsyncClient, url: str, shape: tuple[i
 
     async def stream() -> None:
         while True:
-            body = {"token_ids": [int(t) for t in rng.choice(token_pool, prompt)], "model": model,
-                    "sampling_params": {"max_tokens": decode, "min_tokens": decode, "ignore_eos": True,
-                                        "temperature": 1.0, "detokenize": False}}
+            body = {
+                "token_ids": [int(t) for t in rng.choice(token_pool, prompt)],
+                "model": model,
+                "sampling_params": {
+                    "max_tokens": decode,
+                    "min_tokens": decode,
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                    "detokenize": False,
+                },
+            }
             start = time.monotonic()
             response = await post(http, f"{url}{GENERATE_PATH}", json=body)
             response.raise_for_status()
@@ -101,8 +123,14 @@ async def _closed_loop_latency(http: httpx.AsyncClient, url: str, shape: tuple[i
     return float(np.mean(latencies))
 
 
-async def measure_engines(http: httpx.AsyncClient, engine_urls: Sequence[str], token_pool: Sequence[int],
-                          seed: int = 0, model: str = SERVED_MODEL_NAME, window_s: float = WINDOW_S) -> FittedCost:
+async def measure_engines(
+    http: httpx.AsyncClient,
+    engine_urls: Sequence[str],
+    token_pool: Sequence[int],
+    seed: int = 0,
+    model: str = SERVED_MODEL_NAME,
+    window_s: float = WINDOW_S,
+) -> FittedCost:
     """Measure every shape on all engines at once (random prompts: no prefix-cache hits) and fit.
 
     On a shared machine the cost drifts with what else runs, so callers measure right before the
@@ -113,7 +141,8 @@ async def measure_engines(http: httpx.AsyncClient, engine_urls: Sequence[str], t
     await _closed_loop_latency(http, urls[0], (2, 32, 8), rng, pool, model, 0.5)  # warm-up: one-off costs
     measured = []
     for shape in DECODE_SHAPES + PREFILL_SHAPES + CONTEXT_SHAPES:
-        latencies = await asyncio.gather(*(_closed_loop_latency(http, u, shape, rng, pool, model, window_s)
-                                           for u in urls))
+        latencies = await asyncio.gather(
+            *(_closed_loop_latency(http, u, shape, rng, pool, model, window_s) for u in urls)
+        )
         measured.append((shape, float(np.mean(latencies))))
     return fit_step_cost(measured)

@@ -17,8 +17,14 @@ class SupervisedCluster:
     """The started, ready engines of one pressure level, and vllm-router in front of them on demand."""
 
     def __init__(
-        self, supervisor: Supervisor, machine: Machine, engines: Sequence[ProcessSpec], engine_urls: Sequence[str],
-        router_port: int, prometheus_port: int, run_dir: RunDir,
+        self,
+        supervisor: Supervisor,
+        machine: Machine,
+        engines: Sequence[ProcessSpec],
+        engine_urls: Sequence[str],
+        router_port: int,
+        prometheus_port: int,
+        run_dir: RunDir,
     ):
         from skyrl_cli.plan.inference import engine_url
 
@@ -36,11 +42,12 @@ class SupervisedCluster:
         """Start vllm-router with ``policy`` in front of the engines (restarting a running one); return once ready."""
         import asyncio
 
-        from skyrl_cli.routing.live_bench import live_recipe
         from skyrl_cli.plan.inference import router_spec
+        from skyrl_cli.routing.live_bench import live_recipe
 
-        router = router_spec(live_recipe(policy, 1, 1), self.machine, self.engine_urls, self.router_port,
-                             self.prometheus_port)
+        router = router_spec(
+            live_recipe(policy, 1, 1), self.machine, self.engine_urls, self.router_port, self.prometheus_port
+        )
         if self._router_started:
             self.supervisor.restart("router", router)
         else:

@@ -75,29 +75,39 @@ class StepCost:
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    kv_capacity: int                 # tokens of KV cache
-    max_num_seqs: int = 256          # vLLM --max-num-seqs
+    kv_capacity: int  # tokens of KV cache
+    max_num_seqs: int = 256  # vLLM --max-num-seqs
     max_num_batched_tokens: int = 8192  # prefill token budget per step
-    block_size: int = 16             # KV block (vLLM: 16 on GPUs, 128 on CPU): cache hits are whole blocks
+    block_size: int = 16  # KV block (vLLM: 16 on GPUs, 128 on CPU): cache hits are whole blocks
 
 
 class Request:
     """One model turn of one trajectory, as the replica sees it."""
 
-    __slots__ = ("session", "prompt", "response", "generated", "n0", "base", "finish_step",
-                 "arrival_s", "owner", "alive")
+    __slots__ = (
+        "session",
+        "prompt",
+        "response",
+        "generated",
+        "n0",
+        "base",
+        "finish_step",
+        "arrival_s",
+        "owner",
+        "alive",
+    )
 
     def __init__(self, session: str, prompt: int, response: int, arrival_s: float, owner=None):
         self.session = session
-        self.prompt = prompt          # prompt tokens of this turn
-        self.response = response      # tokens to generate
-        self.generated = 0            # tokens generated before the current admission (kept on preemption)
-        self.n0 = 0                   # replica step counter at the current admission
-        self.base = 0                 # KV while running = base + replica.n
+        self.prompt = prompt  # prompt tokens of this turn
+        self.response = response  # tokens to generate
+        self.generated = 0  # tokens generated before the current admission (kept on preemption)
+        self.n0 = 0  # replica step counter at the current admission
+        self.base = 0  # KV while running = base + replica.n
         self.finish_step = 0
         self.arrival_s = arrival_s
-        self.owner = owner            # the trajectory, for the simulator
-        self.alive = False            # running (entries in the finish heap of a preempted request go stale)
+        self.owner = owner  # the trajectory, for the simulator
+        self.alive = False  # running (entries in the finish heap of a preempted request go stale)
 
     @property
     def context(self) -> int:
@@ -106,9 +116,9 @@ class Request:
 
 @dataclass
 class ReplicaStats:
-    prompt_tokens: int = 0           # context tokens of every admission (recomputations included)
-    cached_tokens: int = 0           # of which served from the prefix cache
-    prefill_tokens: int = 0          # of which computed
+    prompt_tokens: int = 0  # context tokens of every admission (recomputations included)
+    cached_tokens: int = 0  # of which served from the prefix cache
+    prefill_tokens: int = 0  # of which computed
     generated_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
@@ -120,12 +130,12 @@ class Replica:
         self.index = index
         self.spec = spec
         self.cost = cost
-        self.n = 0                                   # engine steps completed
-        self.running: list[Request] = []             # admission order (the last is preempted first)
-        self.base_sum = 0                            # sum of running requests' base
+        self.n = 0  # engine steps completed
+        self.running: list[Request] = []  # admission order (the last is preempted first)
+        self.base_sum = 0  # sum of running requests' base
         self.waiting: deque[Request] = deque()
-        self.cache: OrderedDict[str, int] = OrderedDict()   # session -> cached tokens, LRU first
-        self.cached = 0                              # tokens in self.cache
+        self.cache: OrderedDict[str, int] = OrderedDict()  # session -> cached tokens, LRU first
+        self.cached = 0  # tokens in self.cache
         self._finish_heap: list[tuple[int, int, Request]] = []
         self._tie = 0
         self.stats = ReplicaStats()

@@ -32,23 +32,35 @@ import httpx
 import numpy as np
 
 from skyrl_cli.engines.metrics import EngineSnapshot, Interval, coefficient_of_variation, parse_prometheus
-from skyrl_contracts.engine_api import GENERATE_PATH, SERVED_MODEL_NAME
 from skyrl_cli.routing.policies import RoutingPolicy
 from skyrl_cli.routing.workload import GroupScheduler, Trajectory, WorkloadSpec, sample_group
+from skyrl_contracts.engine_api import GENERATE_PATH, SERVED_MODEL_NAME
 
 # A workload 2 CPU engines with a tiny model get through in well under a minute per policy: 16
 # trajectories in flight, ~8 turns, contexts up to 1k tokens, short environment steps.
 LIVE_WORKLOAD = WorkloadSpec(
-    group_size=4, groups_per_step=2, trainer_steps=4, max_inflight_groups=4, max_staleness=1, trainer_step_s=1.0,
-    turns_mean=8, turns_cv=0.5, prompt_mean=128, response_mean=48, observation_mean=48, length_sigma=0.5,
-    max_response=128, max_context=1024, env_latency_mean_s=0.05,
+    group_size=4,
+    groups_per_step=2,
+    trainer_steps=4,
+    max_inflight_groups=4,
+    max_staleness=1,
+    trainer_step_s=1.0,
+    turns_mean=8,
+    turns_cv=0.5,
+    prompt_mean=128,
+    response_mean=48,
+    observation_mean=48,
+    length_sigma=0.5,
+    max_response=128,
+    max_context=1024,
+    env_latency_mean_s=0.05,
 )
 
 
 @dataclass
 class LiveResult:
     policy: str
-    routed_by: str                  # "vllm-router" or "client"
+    routed_by: str  # "vllm-router" or "client"
     makespan_s: float
     steps: int
     step_time_s: float
@@ -149,8 +161,17 @@ def kv_capacity_from_log(log_path: str | Path) -> int | None:
 
 # ---------------------------------------------------------------------------------------------- replay
 class _Replay:
-    def __init__(self, spec: WorkloadSpec, seed: int, target, engine_urls: Sequence[str], token_pool: Sequence[int],
-                 http: httpx.AsyncClient, sample_interval_s: float, model: str):
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        seed: int,
+        target,
+        engine_urls: Sequence[str],
+        token_pool: Sequence[int],
+        http: httpx.AsyncClient,
+        sample_interval_s: float,
+        model: str,
+    ):
         self.spec = spec
         self.seed = seed
         self.target = target
@@ -205,9 +226,17 @@ class _Replay:
         try:
             for t in range(trajectory.turns):
                 tokens = trajectory.responses[t]
-                body = {"token_ids": context, "model": self.model,
-                        "sampling_params": {"max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
-                                            "temperature": 1.0, "detokenize": False}}
+                body = {
+                    "token_ids": context,
+                    "model": self.model,
+                    "sampling_params": {
+                        "max_tokens": tokens,
+                        "min_tokens": tokens,
+                        "ignore_eos": True,
+                        "temperature": 1.0,
+                        "detokenize": False,
+                    },
+                }
                 self.requests += 1
                 out = await self.target.generate(session, body, len(context))
                 generated = [int(x) for x in out["choices"][0].get("token_ids") or []]
@@ -290,9 +319,18 @@ class _Replay:
         )
 
 
-async def replay(spec: WorkloadSpec, seed: int, policy: str, target, engine_urls: Sequence[str],
-                 token_pool: Sequence[int], http: httpx.AsyncClient, *, sample_interval_s: float = 0.25,
-                 model: str = SERVED_MODEL_NAME) -> LiveResult:
+async def replay(
+    spec: WorkloadSpec,
+    seed: int,
+    policy: str,
+    target,
+    engine_urls: Sequence[str],
+    token_pool: Sequence[int],
+    http: httpx.AsyncClient,
+    *,
+    sample_interval_s: float = 0.25,
+    model: str = SERVED_MODEL_NAME,
+) -> LiveResult:
     """Run the workload once through ``target`` and measure it (engines should be idle and cold)."""
     spec.validate()
     return await _Replay(spec, seed, target, engine_urls, token_pool, http, sample_interval_s, model).run(policy)
@@ -301,9 +339,10 @@ async def replay(spec: WorkloadSpec, seed: int, policy: str, target, engine_urls
 def http_client(concurrency: int = 256, timeout_s: float = 120.0) -> httpx.AsyncClient:
     # uvicorn closes idle keep-alive connections after 5 s; reusing one just as it does fails with a
     # ReadError, so pooled connections are dropped well before that.
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
-                                                 keepalive_expiry=2.0))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0),
+    )
 
 
 async def post(http: httpx.AsyncClient, url: str, **kwargs) -> httpx.Response:

@@ -33,8 +33,8 @@ from skyrl_cli.routing.simulator import SimConfig, simulate
 from skyrl_cli.routing.workload import WorkloadSpec, working_set_per_replica
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import LaunchError
-from skyrl_contracts.schema import Recipe
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.schema import Recipe
 
 if TYPE_CHECKING:
     from skyrl_cli.routing.cluster import SupervisedCluster
@@ -44,7 +44,7 @@ LIVE_ENGINES = 2
 LIVE_MODEL = {"hidden_size": 128, "layers": 2, "heads": 4, "max_position_embeddings": 2048}
 LIVE_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=?.,"
 LIVE_MAX_NUM_SEQS = 64
-CPU_BLOCK_SIZE = 128           # vLLM's KV block on CPU
+CPU_BLOCK_SIZE = 128  # vLLM's KV block on CPU
 CPU_MAX_BATCHED_TOKENS = 2048  # vLLM's default token budget per step for the CPU OpenAI server
 KV_BYTES_PER_TOKEN = 2 * LIVE_MODEL["layers"] * LIVE_MODEL["hidden_size"] * 2  # K and V, bf16
 ROUTER_POLICIES = ("round_robin", "consistent_hash", "sticky_least_loaded")  # what the recipe's router takes
@@ -101,14 +101,21 @@ class LiveBenchConfig:
 def live_recipe(policy: str, kv_cache_bytes: int, max_model_len: int) -> Recipe:
     """The engines' (and the router's) recipe; a policy vllm-router lacks gets round_robin (unused)."""
     router_policy = policy if policy in ROUTER_POLICIES else "round_robin"
-    return Recipe.model_validate({
-        "name": "bench-routing",
-        "model": {"init": LIVE_MODEL, "tokenizer": "char"},
-        "data": {"task": "addition"},
-        "rl": {},
-        "inference": {"engines": LIVE_ENGINES, "kv_cache_bytes": kv_cache_bytes, "max_model_len": max_model_len,
-                      "max_num_seqs": LIVE_MAX_NUM_SEQS, "router": {"policy": router_policy}},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "bench-routing",
+            "model": {"init": LIVE_MODEL, "tokenizer": "char"},
+            "data": {"task": "addition"},
+            "rl": {},
+            "inference": {
+                "engines": LIVE_ENGINES,
+                "kv_cache_bytes": kv_cache_bytes,
+                "max_model_len": max_model_len,
+                "max_num_seqs": LIVE_MAX_NUM_SEQS,
+                "router": {"policy": router_policy},
+            },
+        }
+    )
 
 
 def build_live_model(model_dir: str | Path) -> list[int]:
@@ -151,17 +158,27 @@ def append_run(path: Path, record: dict) -> None:
 def replay_failure(err: BaseException, cluster: "SupervisedCluster", level_dir: RunDir, runs: Path) -> LaunchError:
     """The error a failed replay ends the benchmark with: which processes exited, where their logs are."""
     dead = cluster.dead_processes()
-    return LaunchError(f"live replay failed: {type(err).__name__}: {err}; "
-                       f"{'exited: ' + ', '.join(dead) if dead else 'no process exited'} "
-                       f"(logs in {level_dir.logs}; runs so far in {runs})")
+    return LaunchError(
+        f"live replay failed: {type(err).__name__}: {err}; "
+        f"{'exited: ' + ', '.join(dead) if dead else 'no process exited'} "
+        f"(logs in {level_dir.logs}; runs so far in {runs})"
+    )
 
 
 # ------------------------------------------------------------------------------------ one level
 class _LevelReplay:
     """The repeats of every policy on one level's cluster (one asyncio session)."""
 
-    def __init__(self, config: LiveBenchConfig, cluster: "SupervisedCluster", capacity: int, token_pool: Sequence[int],
-                 label: str, runs_path: Path, say: Callable[[str], None]):
+    def __init__(
+        self,
+        config: LiveBenchConfig,
+        cluster: "SupervisedCluster",
+        capacity: int,
+        token_pool: Sequence[int],
+        label: str,
+        runs_path: Path,
+        say: Callable[[str], None],
+    ):
         self.config = config
         self.cluster = cluster
         self.urls = list(cluster.engine_urls)
@@ -206,16 +223,31 @@ class _LevelReplay:
 
     def _simulate(self, policy: str, fitted: cal.FittedCost):
         cfg = self.config
-        return simulate(SimConfig(
-            policy=policy, replicas=LIVE_ENGINES, kv_capacity=self.capacity, cost=fitted.cost, workload=cfg.workload,
-            seed=cfg.seed, max_num_seqs=LIVE_MAX_NUM_SEQS, max_num_batched_tokens=CPU_MAX_BATCHED_TOKENS,
-            block_size=CPU_BLOCK_SIZE, request_overhead_s=fitted.request_overhead_s))
+        return simulate(
+            SimConfig(
+                policy=policy,
+                replicas=LIVE_ENGINES,
+                kv_capacity=self.capacity,
+                cost=fitted.cost,
+                workload=cfg.workload,
+                seed=cfg.seed,
+                max_num_seqs=LIVE_MAX_NUM_SEQS,
+                max_num_batched_tokens=CPU_MAX_BATCHED_TOKENS,
+                block_size=CPU_BLOCK_SIZE,
+                request_overhead_s=fitted.request_overhead_s,
+            )
+        )
 
 
 # ------------------------------------------------------------------------------------ the benchmark
-def run_live_bench(config: LiveBenchConfig, root: str | Path, start_cluster: StartCluster, *,
-                   say: Callable[[str], None] = print,
-                   on_level: Callable[[dict], None] | None = None) -> dict:
+def run_live_bench(
+    config: LiveBenchConfig,
+    root: str | Path,
+    start_cluster: StartCluster,
+    *,
+    say: Callable[[str], None] = print,
+    on_level: Callable[[dict], None] | None = None,
+) -> dict:
     """Run every level (``on_level`` gets each one's results as it finishes), write the report, return it.
     Everything ``start_cluster`` starts for a level is torn down (its context exits) before the next."""
     out = LiveBenchDir(Path(root))
@@ -235,8 +267,16 @@ def run_live_bench(config: LiveBenchConfig, root: str | Path, start_cluster: Sta
     return report
 
 
-def _run_level(config: LiveBenchConfig, out: LiveBenchDir, label: str, ratio: float, working_set: float,
-               token_pool: Sequence[int], start_cluster: StartCluster, say: Callable[[str], None]) -> dict:
+def _run_level(
+    config: LiveBenchConfig,
+    out: LiveBenchDir,
+    label: str,
+    ratio: float,
+    working_set: float,
+    token_pool: Sequence[int],
+    start_cluster: StartCluster,
+    say: Callable[[str], None],
+) -> dict:
     spec = config.workload
     kv_tokens = kv_tokens_for(spec, ratio, working_set)
     recipe = live_recipe("round_robin", kv_tokens * KV_BYTES_PER_TOKEN, spec.max_context + CPU_BLOCK_SIZE)

@@ -16,13 +16,17 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | Path, title: str = "") -> P
 
     # Left to right = increasing pressure = decreasing KV capacity / working set.
     levels = sorted({(r.kv_ratio, r.pressure) for r in rows}, reverse=True)
-    ticks = [f"{label}\n(KV = {ratio:g} x working set)" if label != f"{ratio:g}" else f"{ratio:g} x working set"
-             for ratio, label in levels]
+    ticks = [
+        f"{label}\n(KV = {ratio:g} x working set)" if label != f"{ratio:g}" else f"{ratio:g} x working set"
+        for ratio, label in levels
+    ]
     policies = list(dict.fromkeys(r.policy for r in rows))
     by_key = {(r.policy, r.kv_ratio): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    panels = (("gen_tokens_per_s", "generated tokens / s (higher is better)"),
-              ("group_latency_p90_s", "p90 group latency, s (lower is better)"))
+    panels = (
+        ("gen_tokens_per_s", "generated tokens / s (higher is better)"),
+        ("group_latency_p90_s", "p90 group latency, s (lower is better)"),
+    )
     for ax, (metric, ylabel) in zip(axes, panels):
         for policy in policies:
             xs, ys = [], []

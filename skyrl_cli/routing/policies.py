@@ -165,8 +165,11 @@ class StickyKvRepin(StickyLeastLoaded):
             capacity = self.kv_capacity_tokens
             home = pin.worker
             if self.pinned_tokens[home] > capacity[home]:
-                roomy = [i for i in range(len(self.workers))
-                         if i != home and self.pinned_tokens[i] + prompt_tokens <= capacity[i]]
+                roomy = [
+                    i
+                    for i in range(len(self.workers))
+                    if i != home and self.pinned_tokens[i] + prompt_tokens <= capacity[i]
+                ]
                 if roomy:
                     fewest = min(self.active_sessions[i] for i in roomy)
                     target = self._tie_break(session_id, [i for i in roomy if self.active_sessions[i] == fewest])

@@ -29,17 +29,17 @@ _RUN_END, _ARRIVAL, _TRAINER_DONE, _SAMPLE = 0, 1, 2, 3
 class SimConfig:
     policy: str
     replicas: int = 8
-    kv_capacity: int = 400_000               # tokens per replica
+    kv_capacity: int = 400_000  # tokens per replica
     cost: StepCost = field(default_factory=StepCost)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
-    request_overhead_s: float = 0.0          # client + HTTP time per turn outside the engine (calibration)
+    request_overhead_s: float = 0.0  # client + HTTP time per turn outside the engine (calibration)
     seed: int = 0
     sample_interval_s: float = 1.0
-    drain: bool = False                      # after the last step, finish every started trajectory
-    check_invariants: bool = False           # assert the KV bookkeeping after every event (tests)
+    drain: bool = False  # after the last step, finish every started trajectory
+    check_invariants: bool = False  # assert the KV bookkeeping after every event (tests)
 
 
 @dataclass
@@ -64,7 +64,7 @@ class SimResult:
     requests: int
     events: int
     wall_s: float
-    label: str = ""                          # pressure level name, set by the sweep
+    label: str = ""  # pressure level name, set by the sweep
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,11 +83,13 @@ class Simulation:
         config.workload.validate()
         if config.kv_capacity < config.workload.max_context + 1:
             raise ValueError(
-                f"kv_capacity ({config.kv_capacity}) must hold one full context ({config.workload.max_context} tokens)")
+                f"kv_capacity ({config.kv_capacity}) must hold one full context ({config.workload.max_context} tokens)"
+            )
         self.config = config
         self.spec = config.workload
-        replica_spec = ReplicaSpec(config.kv_capacity, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.block_size)
+        replica_spec = ReplicaSpec(
+            config.kv_capacity, config.max_num_seqs, config.max_num_batched_tokens, config.block_size
+        )
         self.replicas = [Replica(i, replica_spec, config.cost) for i in range(config.replicas)]
         workers = [f"http://replica-{i}:8000" for i in range(config.replicas)]
         self.policy = make_policy(config.policy, workers, [config.kv_capacity] * config.replicas)
@@ -199,8 +201,10 @@ class Simulation:
         events = self._events
         while not self._done():
             if len(events) <= 1:  # only the sampler is left: nothing can make progress
-                raise RuntimeError(f"simulation stalled at t={self.now:.1f}s "
-                                   f"(steps {self.scheduler.steps_done}/{self.spec.trainer_steps})")
+                raise RuntimeError(
+                    f"simulation stalled at t={self.now:.1f}s "
+                    f"(steps {self.scheduler.steps_done}/{self.spec.trainer_steps})"
+                )
             at_s, _, kind, a, b = heapq.heappop(events)
             self.now = at_s
             self.events += 1
@@ -226,7 +230,7 @@ class Simulation:
         busy = means > 0
         cv = float((running[busy].std(axis=1) / means[busy]).mean()) if busy.any() else 0.0
         latencies = np.array([g.end_s - g.start_s for g in self.groups.values() if g.remaining == 0])
-        p50, p90 = (np.percentile(latencies, [50, 90]) if latencies.size else (float("nan"),) * 2)
+        p50, p90 = np.percentile(latencies, [50, 90]) if latencies.size else (float("nan"),) * 2
         return SimResult(
             policy=self.config.policy,
             replicas=self.config.replicas,

@@ -23,8 +23,17 @@ from skyrl_cli.routing.workload import WorkloadSpec, working_set_per_replica
 PRESSURE_LEVELS = {"low": 1.5, "moderate": 0.75, "high": 0.5}
 
 # Averaged over seeds in the table; the rest are reported from the sum over seeds or not at all.
-MEAN_METRICS = ("step_time_s", "gen_tokens_per_s", "trajectories_per_s", "preemptions", "prefix_hit_rate",
-                "running_cv", "group_latency_p50_s", "group_latency_p90_s", "makespan_s")
+MEAN_METRICS = (
+    "step_time_s",
+    "gen_tokens_per_s",
+    "trajectories_per_s",
+    "preemptions",
+    "prefix_hit_rate",
+    "running_cv",
+    "group_latency_p50_s",
+    "group_latency_p90_s",
+    "makespan_s",
+)
 
 
 def parse_pressures(text: str | Sequence[str]) -> list[tuple[str, float]]:
@@ -40,8 +49,10 @@ def parse_pressures(text: str | Sequence[str]) -> list[tuple[str, float]]:
         try:
             ratio = float(item)
         except ValueError:
-            raise ValueError(f"unknown pressure level {item!r}: use {', '.join(PRESSURE_LEVELS)} or a number "
-                             "(KV capacity / working set, e.g. 0.6)") from None
+            raise ValueError(
+                f"unknown pressure level {item!r}: use {', '.join(PRESSURE_LEVELS)} or a number "
+                "(KV capacity / working set, e.g. 0.6)"
+            ) from None
         if ratio <= 0:
             raise ValueError(f"pressure {item!r} must be a positive number")
         levels.append((f"{ratio:g}", ratio))
@@ -71,12 +82,12 @@ class SweepConfig:
 @dataclass
 class SweepRow:
     pressure: str
-    kv_ratio: float                  # KV capacity / working set
-    kv_capacity: int                 # tokens per replica
+    kv_ratio: float  # KV capacity / working set
+    kv_capacity: int  # tokens per replica
     policy: str
     seeds: int
-    metrics: dict[str, float]        # mean over seeds of MEAN_METRICS
-    speedup_vs: dict[str, float]     # gen tokens/s ratio against each other policy, mean of per-seed ratios
+    metrics: dict[str, float]  # mean over seeds of MEAN_METRICS
+    speedup_vs: dict[str, float]  # gen tokens/s ratio against each other policy, mean of per-seed ratios
     per_seed: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -97,9 +108,16 @@ def run_sweep(config: SweepConfig, on_result: Callable[[SimResult], None] | None
         for policy in config.policies:
             results[policy] = []
             for seed in config.seeds:
-                sim = SimConfig(policy=policy, replicas=config.replicas, kv_capacity=capacity, cost=config.cost,
-                                workload=config.workload, seed=seed, max_num_seqs=config.max_num_seqs,
-                                max_num_batched_tokens=config.max_num_batched_tokens)
+                sim = SimConfig(
+                    policy=policy,
+                    replicas=config.replicas,
+                    kv_capacity=capacity,
+                    cost=config.cost,
+                    workload=config.workload,
+                    seed=seed,
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                )
                 result = simulate(sim)
                 result.label = label
                 results[policy].append(result)
@@ -107,11 +125,22 @@ def run_sweep(config: SweepConfig, on_result: Callable[[SimResult], None] | None
                     on_result(result)
         for policy, runs in results.items():
             metrics = {m: float(np.mean([getattr(r, m) for r in runs])) for m in MEAN_METRICS}
-            speedup = {other: float(np.mean([a.gen_tokens_per_s / b.gen_tokens_per_s
-                                             for a, b in zip(runs, results[other]) if b.gen_tokens_per_s > 0]))
-                       for other in config.policies if other != policy}
-            rows.append(SweepRow(label, ratio, capacity, policy, len(runs), metrics, speedup,
-                                 [r.to_dict() for r in runs]))
+            speedup = {
+                other: float(
+                    np.mean(
+                        [
+                            a.gen_tokens_per_s / b.gen_tokens_per_s
+                            for a, b in zip(runs, results[other])
+                            if b.gen_tokens_per_s > 0
+                        ]
+                    )
+                )
+                for other in config.policies
+                if other != policy
+            }
+            rows.append(
+                SweepRow(label, ratio, capacity, policy, len(runs), metrics, speedup, [r.to_dict() for r in runs])
+            )
     return rows
 
 
@@ -122,7 +151,7 @@ def sweep_to_json(config: SweepConfig, rows: list[SweepRow]) -> dict:
             "workload": asdict(config.workload),
             "cost": asdict(config.cost),
             "policies": list(config.policies),
-            "pressures": [{"label": l, "kv_ratio": r} for l, r in config.pressures],
+            "pressures": [{"label": label, "kv_ratio": ratio} for label, ratio in config.pressures],
             "seeds": list(config.seeds),
             "working_set_per_replica": working_set_per_replica(config.workload, 0, config.replicas),
         },

@@ -23,29 +23,37 @@ import numpy as np
 class WorkloadSpec:
     """Shape of the RL workload. Lengths are in tokens, times in seconds."""
 
-    group_size: int = 8                 # GRPO samples per task instance
-    groups_per_step: int = 16           # groups the trainer consumes per step (batch)
-    trainer_steps: int = 4              # simulated training steps (the run ends after the last)
-    max_inflight_groups: int = 32       # generation concurrency (parallel generation workers)
-    max_staleness: int = 4              # policy versions generation may run ahead of training
-    trainer_step_s: float = 60.0        # simulated trainer step (the release's benchmark used 60 s)
-    turns_mean: float = 40.0            # mean model turns per trajectory
-    turns_cv: float = 0.5               # coefficient of variation of the turn count (gamma distributed)
-    prompt_mean: int = 2000             # system + task prompt, per group
-    response_mean: int = 250            # tokens generated per turn (log-normal)
-    observation_mean: int = 250         # environment observation tokens per turn (log-normal)
-    length_sigma: float = 0.6           # log-normal sigma of response and observation lengths
-    max_response: int = 2048            # max_tokens per turn
-    max_context: int = 32768            # a trajectory ends when its context would exceed this
-    env_latency_mean_s: float = 2.0     # environment step between turns (log-normal, sigma 0.5)
+    group_size: int = 8  # GRPO samples per task instance
+    groups_per_step: int = 16  # groups the trainer consumes per step (batch)
+    trainer_steps: int = 4  # simulated training steps (the run ends after the last)
+    max_inflight_groups: int = 32  # generation concurrency (parallel generation workers)
+    max_staleness: int = 4  # policy versions generation may run ahead of training
+    trainer_step_s: float = 60.0  # simulated trainer step (the release's benchmark used 60 s)
+    turns_mean: float = 40.0  # mean model turns per trajectory
+    turns_cv: float = 0.5  # coefficient of variation of the turn count (gamma distributed)
+    prompt_mean: int = 2000  # system + task prompt, per group
+    response_mean: int = 250  # tokens generated per turn (log-normal)
+    observation_mean: int = 250  # environment observation tokens per turn (log-normal)
+    length_sigma: float = 0.6  # log-normal sigma of response and observation lengths
+    max_response: int = 2048  # max_tokens per turn
+    max_context: int = 32768  # a trajectory ends when its context would exceed this
+    env_latency_mean_s: float = 2.0  # environment step between turns (log-normal, sigma 0.5)
 
     @property
     def max_inflight_trajectories(self) -> int:
         return self.max_inflight_groups * self.group_size
 
     def validate(self) -> None:
-        for name in ("group_size", "groups_per_step", "trainer_steps", "max_inflight_groups", "prompt_mean",
-                     "response_mean", "max_response", "max_context"):
+        for name in (
+            "group_size",
+            "groups_per_step",
+            "trainer_steps",
+            "max_inflight_groups",
+            "prompt_mean",
+            "response_mean",
+            "max_response",
+            "max_context",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.turns_mean < 1:
@@ -62,10 +70,10 @@ class Trajectory:
 
     group: int
     repetition: int
-    prompts: list[int]          # prompt tokens of turn t (whole context so far)
-    responses: list[int]        # tokens generated at turn t
-    env_delays: list[float]     # seconds of environment work after turn t (len = turns - 1)
-    turn: int = 0               # next turn to run
+    prompts: list[int]  # prompt tokens of turn t (whole context so far)
+    responses: list[int]  # tokens generated at turn t
+    env_delays: list[float]  # seconds of environment work after turn t (len = turns - 1)
+    turn: int = 0  # next turn to run
     replicas: list[int] | None = None  # where each turn ran (filled by the simulator)
 
     @property
@@ -90,7 +98,7 @@ def sample_group(spec: WorkloadSpec, seed: int, group: int) -> list[Trajectory]:
     """The ``group_size`` trajectories of task instance ``group`` (deterministic in seed and group)."""
     rng = np.random.default_rng([seed, group])
     prompt = max(1, int(round(_lognormal(rng, spec.prompt_mean, 0.3, None))))
-    shape = 1.0 / (spec.turns_cv ** 2) if spec.turns_cv > 0 else None
+    shape = 1.0 / (spec.turns_cv**2) if spec.turns_cv > 0 else None
     trajectories = []
     for rep in range(spec.group_size):
         if shape is None:
@@ -98,9 +106,13 @@ def sample_group(spec: WorkloadSpec, seed: int, group: int) -> list[Trajectory]:
         else:
             turns = int(round(rng.gamma(shape, spec.turns_mean / shape)))
         turns = max(1, turns)
-        responses = np.clip(np.rint(_lognormal(rng, spec.response_mean, spec.length_sigma, turns)), 1, spec.max_response)
+        responses = np.clip(
+            np.rint(_lognormal(rng, spec.response_mean, spec.length_sigma, turns)), 1, spec.max_response
+        )
         observations = np.maximum(1, np.rint(_lognormal(rng, spec.observation_mean, spec.length_sigma, turns)))
-        delays = _lognormal(rng, spec.env_latency_mean_s, 0.5, turns) if spec.env_latency_mean_s > 0 else np.zeros(turns)
+        delays = (
+            _lognormal(rng, spec.env_latency_mean_s, 0.5, turns) if spec.env_latency_mean_s > 0 else np.zeros(turns)
+        )
         prompts_out: list[int] = []
         responses_out: list[int] = []
         context = prompt
@@ -111,8 +123,9 @@ def sample_group(spec: WorkloadSpec, seed: int, group: int) -> list[Trajectory]:
             prompts_out.append(context)
             responses_out.append(response)
             context += response + int(observations[t])
-        trajectories.append(Trajectory(group, rep, prompts_out, responses_out,
-                                       [float(d) for d in delays[: len(prompts_out) - 1]]))
+        trajectories.append(
+            Trajectory(group, rep, prompts_out, responses_out, [float(d) for d in delays[: len(prompts_out) - 1]])
+        )
     return trajectories
 
 

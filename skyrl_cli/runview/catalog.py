@@ -26,8 +26,11 @@ RUNNING_WITHIN_S = 120.0
 # events later than this after the summary's time mean a new launch (--resume) is writing.
 SUMMARY_LAG_S = 15.0
 # The final figures ``skyrl runs ls`` shows, first present wins per column.
-HEADLINE = (("accuracy", ("eval/accuracy",)), ("reward", ("rollout/reward_mean",)),
-            ("loss", ("train/loss", "train/policy_loss")))  # fmt: skip
+HEADLINE = (
+    ("accuracy", ("eval/accuracy",)),
+    ("reward", ("rollout/reward_mean",)),
+    ("loss", ("train/loss", "train/policy_loss")),
+)
 
 
 @dataclass(frozen=True)
@@ -159,5 +162,7 @@ def final_rows(infos: list[RunInfo], names: list[str] | None = None) -> list[tup
         means = []
     rows = [(name, [info.metrics.get(name) for info in infos]) for name in names]
     for name in means:
-        rows.append((f"{name} (mean)", [info.summary.get("throughput", {}).get(name, {}).get("mean") for info in infos]))
+        rows.append(
+            (f"{name} (mean)", [info.summary.get("throughput", {}).get(name, {}).get("mean") for info in infos])
+        )
     return rows

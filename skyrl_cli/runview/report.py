@@ -104,15 +104,29 @@ img{max-width:100%;border:1px solid #eee}"""
 def report_html(runs: list[ReportedRun], images: list[tuple[Panel, bytes]]) -> str:
     """The page: the runs with their headline figures, each panel's plot as a PNG data URI, then
     every final figure."""
-    run_rows = [[r.label, r.info.name, r.info.stage, r.info.status, str(r.info.steps), f"{r.info.wall_s:.0f}",
-                 *map(_format, r.info.headline().values()), str(r.info.path)] for r in runs]  # fmt: skip
+    run_rows = [
+        [
+            r.label,
+            r.info.name,
+            r.info.stage,
+            r.info.status,
+            str(r.info.steps),
+            f"{r.info.wall_s:.0f}",
+            *map(_format, r.info.headline().values()),
+            str(r.info.path),
+        ]
+        for r in runs
+    ]
     headline = [f"final {label}" for label, _ in HEADLINE]
     figures = [[name, *map(_format, values)] for name, values in final_rows([r.info for r in runs])]
-    plots = "".join(
-        f'<h3>{html.escape(panel.title)}</h3><img class="plot" alt="{html.escape(panel.title)}" '
-        f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
-        for panel, png in images
-    ) or "<p>no metric events yet</p>"
+    plots = (
+        "".join(
+            f'<h3>{html.escape(panel.title)}</h3><img class="plot" alt="{html.escape(panel.title)}" '
+            f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+            for panel, png in images
+        )
+        or "<p>no metric events yet</p>"
+    )
     title = "skyrl report: " + ", ".join(r.label for r in runs)
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
@@ -120,8 +134,10 @@ def report_html(runs: list[ReportedRun], images: list[tuple[Panel, bytes]]) -> s
         f"<p>written {time.strftime('%Y-%m-%d %H:%M:%S')} from the run directories</p>"
         + _table(["run", "recipe", "stage", "status", "steps", "wall s", *headline, "directory"], run_rows)
         + f"<h2>curves</h2>{plots}"
-        + "<h2>final figures</h2>" + _table(["metric", *(r.label for r in runs)], figures) + "</body></html>\n"
-    )  # fmt: skip
+        + "<h2>final figures</h2>"
+        + _table(["metric", *(r.label for r in runs)], figures)
+        + "</body></html>\n"
+    )
 
 
 def write_report(paths: list[Path], out_dir: Path, panels: tuple[Panel, ...] = REPORT_PANELS) -> tuple[Path, Path]:

@@ -43,6 +43,11 @@ def skyrl(capsys):
 def run_console_script(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> Result:
     """The installed ``skyrl`` console script in a subprocess."""
     proc = subprocess.run(
-        [str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}, timeout=60
+        [str(SKYRL), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        timeout=60,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)

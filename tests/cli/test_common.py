@@ -9,8 +9,8 @@ import pytest
 
 from skyrl_cli.commands import common
 from skyrl_contracts.errors import RecipeError, UsageError
-from skyrl_contracts.schema import Recipe
 from skyrl_contracts.rundir import RunDir, sft_output_dir
+from skyrl_contracts.schema import Recipe
 
 from .conftest import REPO
 

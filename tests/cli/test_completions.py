@@ -30,6 +30,8 @@ def test_unknown_shell(skyrl):
 
 
 def test_bash_completion_answers_subcommands():
-    result = run_console_script(env={"_SKYRL_COMPLETE": "complete_bash", "COMP_WORDS": "skyrl recipes v", "COMP_CWORD": "2"})
+    result = run_console_script(
+        env={"_SKYRL_COMPLETE": "complete_bash", "COMP_WORDS": "skyrl recipes v", "COMP_CWORD": "2"}
+    )
     assert result.code == 0
     assert result.out.split() == ["validate"]

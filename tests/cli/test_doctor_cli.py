@@ -41,7 +41,9 @@ def test_a_ready_machine_passes(skyrl):
     found = lines(result.out)
     assert found["python"][0].startswith("pass  python: 3.")
     assert found["packages"][0].startswith("pass  packages: ") and "of the tested cpu set" in found["packages"][0]
-    assert found["layout"] == ["pass  layout: 2 trainer rank(s) on cpu, 1 local engine(s): fits " + found["layout"][0].split("fits ")[1]]
+    assert found["layout"] == [
+        "pass  layout: 2 trainer rank(s) on cpu, 1 local engine(s): fits " + found["layout"][0].split("fits ")[1]
+    ]
     assert found["ports"][0].startswith("pass  ports: 5 free on 127.0.0.1: trainer ")
     assert found["disk"][0].startswith("pass  disk: ") and "(1.1 M parameters)" in found["disk"][0]
     assert result.out.endswith(f"doctor: all {sum(map(len, found.values()))} checks passed or did not apply\n")
@@ -76,7 +78,10 @@ def test_a_taken_port(skyrl):
     assert result.code == 1
     (line, fix) = lines(result.out)["ports"]
     assert line == f"fail  ports: port {port} (router) is in use on 127.0.0.1"
-    assert fix.startswith("      fix: set inference.router.port = ") and f"`ss -ltnp 'sport = :{port}'` shows who holds it" in fix
+    assert (
+        fix.startswith("      fix: set inference.router.port = ")
+        and f"`ss -ltnp 'sport = :{port}'` shows who holds it" in fix
+    )
     spare = int(fix.split(" = ")[1].split(" ")[0])
     assert spare != port and 1024 <= spare <= 65535
     assert "1 of 8 checks failed (ports)" in result.err
@@ -87,7 +92,9 @@ def test_a_taken_port_is_found_even_when_the_layout_does_not_fit(skyrl):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        result = skyrl("doctor", QUICKSTART, "--quick", "--set", f"inference.router.port={port}", "--set", 'trainer.device="cuda"')
+        result = skyrl(
+            "doctor", QUICKSTART, "--quick", "--set", f"inference.router.port={port}", "--set", 'trainer.device="cuda"'
+        )
     assert result.code == 1
     assert lines(result.out)["ports"][0] == f"fail  ports: port {port} (router) is in use on 127.0.0.1"
     assert "2 of 8 checks failed (layout, ports)" in result.err

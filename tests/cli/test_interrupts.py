@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_contracts.errors import RunInterrupted
 from skyrl_cli.launch.interrupts import Interrupted, interruption_message, reported
+from skyrl_contracts.errors import RunInterrupted
 
 from .conftest import REPO
 
@@ -55,7 +55,9 @@ def test_message_names_step_phase_and_checkpoint(tmp_path, monkeypatch):
     )
 
 
-@pytest.mark.parametrize(("raised", "code", "name"), [(Interrupted(signal.SIGTERM), 143, "SIGTERM"), (KeyboardInterrupt(), 130, "SIGINT")])
+@pytest.mark.parametrize(
+    ("raised", "code", "name"), [(Interrupted(signal.SIGTERM), 143, "SIGTERM"), (KeyboardInterrupt(), 130, "SIGINT")]
+)
 def test_reported_maps_the_signal_to_exit_code_and_marks_the_summary(tmp_path, raised, code, name):
     run_dir = make_run_dir(tmp_path / "run", steps=(2,), events_at=3)
     with pytest.raises(RunInterrupted) as caught:
@@ -117,8 +119,12 @@ def test_a_signalled_driver_exits_128_plus_n_with_the_message_and_no_child_left(
     run_dir = make_run_dir(tmp_path / "run", steps=(2, 4), partial=(6,), events_at=5)
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, "sleepjob", str(run_dir)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert driver.stdout.readline().strip() == "started"
     groups = _children(driver.pid)  # the job's group leader and the reaper
     assert len(groups) == 2, groups

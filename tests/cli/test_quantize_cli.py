@@ -60,14 +60,27 @@ def test_ptq_plans_one_quantizer_job(skyrl, recipe_file, tmp_path):
     plan = dry_run(skyrl, recipe_file, "--ptq", "--run-dir", tmp_path / "out")
     (job,) = plan["processes"]
     assert (job["role"], job["kind"]) == ("quantizer", "job")
-    assert job["argv"][1:] == ["-m", "backends.quant.export", "--run-dir", str(tmp_path / "out"),
-                               "--model", str(tmp_path / "runs" / "q" / "sft" / "final")]  # fmt: skip
+    assert job["argv"][1:] == [
+        "-m",
+        "backends.quant.export",
+        "--run-dir",
+        str(tmp_path / "out"),
+        "--model",
+        str(tmp_path / "runs" / "q" / "sft" / "final"),
+    ]
 
 
 def test_the_stage_recipe_trains_the_source_with_its_own_tokenizer(tmp_path):
     model = {"init": {}, "tokenizer": "char"}
     recipe = Recipe.model_validate(
-        {"name": "q", "model": model, "data": {"task": "addition"}, "sft": {}, "rl": {}, "quantization": {"group_size": 64}}
+        {
+            "name": "q",
+            "model": model,
+            "data": {"task": "addition"},
+            "sft": {},
+            "rl": {},
+            "quantization": {"group_size": 64},
+        }
     )
     staged = stage_recipe(recipe, tmp_path / "src", qat=True)
     assert (staged.model.path, staged.model.init, staged.model.tokenizer) == (str(tmp_path / "src"), None, "auto")
@@ -80,8 +93,14 @@ def test_the_stage_recipe_trains_the_source_with_its_own_tokenizer(tmp_path):
     ("args", "message"),
     [
         ((), "error: give one of --int4-qat (quantization-aware training) and --ptq (round-to-nearest)"),
-        (("--int4-qat", "--ptq"), "error: give one of --int4-qat (quantization-aware training) and --ptq (round-to-nearest)"),
-        (("--ptq", "--resume", "--dry-run"), "error: --resume continues an --int4-qat run; --ptq has nothing to resume"),
+        (
+            ("--int4-qat", "--ptq"),
+            "error: give one of --int4-qat (quantization-aware training) and --ptq (round-to-nearest)",
+        ),
+        (
+            ("--ptq", "--resume", "--dry-run"),
+            "error: --resume continues an --int4-qat run; --ptq has nothing to resume",
+        ),
     ],
 )
 def test_flags_that_cannot_go_together(skyrl, recipe_file, args, message):
@@ -102,11 +121,16 @@ def test_qat_needs_sft_steps_and_a_source_that_exists(skyrl, recipe_file, tmp_pa
     model = REPO / "tests" / "recipes_broken" / "models" / "positions_256"
     recipe_file.write_text(RECIPE.replace("[sft]\nsteps = 7\n", "[rl]\n") + f'init_from = "{model}"\n')
     refused = skyrl("quantize", recipe_file, "--int4-qat", "--dry-run")
-    assert refused.err == "error: --int4-qat fine-tunes for the recipe's sft.steps, but the recipe has no [sft] section\n"
+    assert (
+        refused.err == "error: --int4-qat fine-tunes for the recipe's sft.steps, but the recipe has no [sft] section\n"
+    )
     recipe_file.write_text(RECIPE)
     missing = skyrl("quantize", recipe_file, "--ptq")
     final = tmp_path / "runs" / "q" / "sft" / "final"
-    assert (missing.code, missing.err) == (2, f"error: quantization.init_from: no model at {final}; run `skyrl sft {recipe_file}` first\n")
+    assert (missing.code, missing.err) == (
+        2,
+        f"error: quantization.init_from: no model at {final}; run `skyrl sft {recipe_file}` first\n",
+    )
 
 
 @pytest.mark.parametrize("path", QUANT_BROKEN, ids=lambda p: p.stem)
@@ -122,7 +146,13 @@ def test_quantize_dry_run_refuses_the_quantization_corpus_like_validate(skyrl, p
 
 def hf_model(directory: Path, model_type: str = "llama", **config) -> Path:
     directory.mkdir(parents=True)
-    base = {"model_type": model_type, "hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 4, "num_hidden_layers": 2}
+    base = {
+        "model_type": model_type,
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+    }
     (directory / "config.json").write_text(json.dumps({**base, **config}))
     return directory
 
@@ -133,9 +163,16 @@ def messages(recipe: Recipe, base_dir: Path) -> list[str]:
 
 def test_group_sizes_are_checked_against_the_checkpoint_that_is_quantized(tmp_path):
     hf_model(tmp_path / "m")  # down_proj's input: intermediate_size 352 = 11 x 32
-    make = lambda **q: Recipe.model_validate({"name": "q", "model": {"path": "m"}, "data": {"task": "addition"}, "sft": {}, "quantization": q})
+
+    def make(**q):
+        return Recipe.model_validate(
+            {"name": "q", "model": {"path": "m"}, "data": {"task": "addition"}, "sft": {}, "quantization": q}
+        )
+
     assert messages(make(group_size=32), tmp_path) == []
-    assert messages(make(group_size=64), tmp_path) == ["quantization.group_size: 64 does not divide the input width 352 of down_proj"]
+    assert messages(make(group_size=64), tmp_path) == [
+        "quantization.group_size: 64 does not divide the input width 352 of down_proj"
+    ]
     assert messages(make(group_size=64, targets=["self_attn"]), tmp_path) == []  # down_proj is not a target
     hf_model(tmp_path / "other", hidden_size=96, num_attention_heads=3, intermediate_size=256)
     assert messages(make(group_size=64, init_from="other"), tmp_path) == [

@@ -30,7 +30,9 @@ def fetched_assets(tmp_path, monkeypatch):
         (model / "config.json").write_text((MODEL_CONFIGS / f"qwen2.5-{size.lower()}-instruct.json").read_text())
     data = root / "data" / "gsm8k"
     data.mkdir(parents=True)
-    row = gsm8k_row("Natalia sold 48 clips in April and half as many in May. How many in all?", "48/2 = <<48/2=24>>24\n#### 72")
+    row = gsm8k_row(
+        "Natalia sold 48 clips in April and half as many in May. How many in all?", "48/2 = <<48/2=24>>24\n#### 72"
+    )
     for split in ("train", "test"):
         (data / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -42,7 +44,11 @@ def expectations(path: Path) -> tuple[list[str], list[str]]:
     expectations hold on a machine without GPUs unless the args give ``--gpus N``."""
     text = path.read_text()
     rel = str(path.relative_to(REPO))
-    expected = [line.removeprefix("# expect: ").replace("{file}", rel) for line in text.splitlines() if line.startswith("# expect: ")]
+    expected = [
+        line.removeprefix("# expect: ").replace("{file}", rel)
+        for line in text.splitlines()
+        if line.startswith("# expect: ")
+    ]
     args = [a for line in text.splitlines() if line.startswith("# args:") for a in line.removeprefix("# args:").split()]
     return expected, args if "--gpus" in args else [*args, "--gpus", "0"]
 
@@ -51,9 +57,19 @@ def test_corpus_covers_every_kind_of_problem():
     names = {p.stem for p in BROKEN}
     assert {"syntax_error", "unknown_key", "wrong_type", "out_of_range", "missing_file", "impossible_layout"} <= names
     # Every check the planner used to be the first to make (skyrl_cli.plan.feasibility now).
-    assert {"vllm_head_size", "model_length_over_config", "tensor_parallel_on_cpu", "cuda_without_gpu", "missing_gpu",
-            "engines_need_gpus", "rl_batch_too_small", "batch_too_small", "lora_rank_too_high",
-            "lora_target_vllm_cannot_serve", "lora_with_zero3"} <= names  # fmt: skip
+    assert {
+        "vllm_head_size",
+        "model_length_over_config",
+        "tensor_parallel_on_cpu",
+        "cuda_without_gpu",
+        "missing_gpu",
+        "engines_need_gpus",
+        "rl_batch_too_small",
+        "batch_too_small",
+        "lora_rank_too_high",
+        "lora_target_vllm_cannot_serve",
+        "lora_with_zero3",
+    } <= names
     assert all(expectations(p)[0] for p in BROKEN)
 
 
@@ -88,7 +104,9 @@ def test_dry_run_refuses_a_broken_recipe_with_the_same_lines_as_validate(skyrl, 
 def test_a_head_size_vllm_cannot_serve_is_refused_by_validate(skyrl):
     result = skyrl("recipes", "validate", "quickstart", "--set", "model.init.heads=8")
     assert result.code == 2
-    assert result.err.startswith("error: --set: model.init.heads: head size hidden_size / heads = 16 cannot be served by vLLM")
+    assert result.err.startswith(
+        "error: --set: model.init.heads: head size hidden_size / heads = 16 cannot be served by vLLM"
+    )
 
 
 @pytest.mark.parametrize("name", ["unknown_key", "syntax_error"])
@@ -110,7 +128,9 @@ def test_every_builtin_recipe_validates(skyrl, recipe, fetched_assets):
 
 
 @pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)
-def test_every_builtin_recipe_plans_on_an_8_gpu_node_with_trainer_and_engines_apart(skyrl, recipe, fetched_assets, monkeypatch, tmp_path):
+def test_every_builtin_recipe_plans_on_an_8_gpu_node_with_trainer_and_engines_apart(
+    skyrl, recipe, fetched_assets, monkeypatch, tmp_path
+):
     """The dry-run plan of each stage on 8 GPUs: every process on its own GPUs (NCCL refuses two
     ranks of one group on one device), and full-weight RL syncing over NCCL."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(8))))
@@ -138,7 +158,9 @@ def test_every_builtin_recipe_has_a_header(recipe):
 
 def test_validate_reports_every_file(skyrl, monkeypatch):
     monkeypatch.chdir(REPO)
-    result = skyrl("recipes", "validate", "recipes/quickstart.toml", "tests/recipes_broken/unknown_key.toml", "nope.toml")
+    result = skyrl(
+        "recipes", "validate", "recipes/quickstart.toml", "tests/recipes_broken/unknown_key.toml", "nope.toml"
+    )
     assert result.code == 2
     assert result.out == "ok: recipes/quickstart.toml\n"
     assert result.err.splitlines()[-1] == "error: recipe file not found: nope.toml"

@@ -11,21 +11,40 @@ import pytest
 def recipe(tmp_path):
     model = tmp_path / "my-model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "num_attention_heads": 4,
-        "num_hidden_layers": 2, "max_position_embeddings": 512, "vocab_size": 64}))  # fmt: skip
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 128,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "max_position_embeddings": 512,
+                "vocab_size": 64,
+            }
+        )
+    )
 
     def write(tinker: str = 'api_keys = ["tml-x"]', model_table: str = 'path = "my-model"') -> str:
         path = tmp_path / "t.toml"
-        path.write_text(f'name = "t"\n[model]\n{model_table}\n[inference]\nengines = 1\n[tinker]\nport = 18123\n{tinker}\n')
+        path.write_text(
+            f'name = "t"\n[model]\n{model_table}\n[inference]\nengines = 1\n[tinker]\nport = 18123\n{tinker}\n'
+        )
         return str(path)
 
     return write
 
 
 def test_dry_run_plans_lora_engines_router_and_server(skyrl, recipe, tmp_path):
-    result = skyrl("tinker", "serve", recipe('api_keys = ["tml-x"]\nmax_live_adapters = 5\nmax_lora_rank = 12'),
-                   "--dry-run", "--json", "--run-dir", tmp_path / "run")  # fmt: skip
+    result = skyrl(
+        "tinker",
+        "serve",
+        recipe('api_keys = ["tml-x"]\nmax_live_adapters = 5\nmax_lora_rank = 12'),
+        "--dry-run",
+        "--json",
+        "--run-dir",
+        tmp_path / "run",
+    )
     assert result.code == 0, result.err
     plan = json.loads(result.out)
     assert plan["stage"] == "tinker"

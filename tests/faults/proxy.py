@@ -26,9 +26,15 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "conte
 
 class FaultProxy:
     def __init__(
-        self, upstream: str, *, fail_fraction: float = 0.0, fail_status: int = 503, delay_fraction: float = 0.0,
-        delay_s: float = 0.0, seed: int = 0,
-    ):  # fmt: skip
+        self,
+        upstream: str,
+        *,
+        fail_fraction: float = 0.0,
+        fail_status: int = 503,
+        delay_fraction: float = 0.0,
+        delay_s: float = 0.0,
+        seed: int = 0,
+    ):
         self.upstream = upstream.rstrip("/")
         self.fail_fraction, self.fail_status = fail_fraction, fail_status
         self.delay_fraction, self.delay_s = delay_fraction, delay_s
@@ -84,7 +90,9 @@ class FaultProxy:
         from skyrl_contracts.ports import find_free_ports
 
         (port,) = find_free_ports(1)
-        config = uvicorn.Config(self, host="127.0.0.1", port=port, log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            self, host="127.0.0.1", port=port, log_level="warning", lifespan="off", access_log=False
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="fault-proxy", daemon=True)
         self._thread.start()

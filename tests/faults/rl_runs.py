@@ -22,12 +22,18 @@ def tiny_rl_recipe(folder: Path, init_from: Path, rl: dict | None = None, infere
         "model": {"init": {"hidden_size": 128, "layers": 2, "heads": 4}, "tokenizer": "char"},
         "data": {"task": "addition", "digits": 1, "eval_size": 8},
         "rl": {
-            "init_from": str(init_from), "steps": 2, "prompts_per_step": 4, "samples_per_prompt": 4,
-            "max_new_tokens": 4, "eval_every": 0, "save_every": 0, **(rl or {}),
+            "init_from": str(init_from),
+            "steps": 2,
+            "prompts_per_step": 4,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 4,
+            "eval_every": 0,
+            "save_every": 0,
+            **(rl or {}),
         },
         "inference": {"engines": 1, "max_num_seqs": 16, **(inference or {})},
         "trainer": {"ranks": 1},
-    }  # fmt: skip
+    }
     path = folder / "faults.toml"
     path.write_text(tomli_w.dumps(recipe))
     return path
@@ -40,7 +46,17 @@ def write_module(folder: Path, name: str, source: str) -> None:
 def run(recipe: Path, *sets: str, check: bool = True, timeout: float = 420):
     """``skyrl rl RECIPE --quiet`` from the recipe's folder; the run directory is ``folder/run``."""
     args = [a for s in sets for a in ("--set", s)]
-    return run_skyrl("rl", recipe, *args, "--run-dir", recipe.parent / "run", "--quiet", cwd=recipe.parent, check=check, timeout=timeout)
+    return run_skyrl(
+        "rl",
+        recipe,
+        *args,
+        "--run-dir",
+        recipe.parent / "run",
+        "--quiet",
+        cwd=recipe.parent,
+        check=check,
+        timeout=timeout,
+    )
 
 
 def last_metric(run_dir: Path, name: str) -> float | None:
@@ -51,4 +67,3 @@ def last_metric(run_dir: Path, name: str) -> float | None:
 def sample_errors(run_dir: Path) -> list[dict]:
     path = run_dir / "sample_errors.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-

@@ -33,17 +33,31 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 def test_the_routers_retry_and_circuit_breaker_settings_reach_its_argv():
     argv = _router_argv()  # the defaults
-    assert [_flag(argv, f) for f in ("--retry-max-retries", "--retry-initial-backoff-ms", "--retry-max-backoff-ms",
-                                     "--cb-failure-threshold", "--cb-timeout-duration-secs")] == ["4", "100", "5000", "10", "10"]  # fmt: skip
-    argv = _router_argv("inference.router.retries=0", "inference.router.circuit_breaker_failures=0",
-                        "inference.router.retry_backoff_ms=20", "inference.router.retry_max_backoff_ms=40")  # fmt: skip
+    assert [
+        _flag(argv, f)
+        for f in (
+            "--retry-max-retries",
+            "--retry-initial-backoff-ms",
+            "--retry-max-backoff-ms",
+            "--cb-failure-threshold",
+            "--cb-timeout-duration-secs",
+        )
+    ] == ["4", "100", "5000", "10", "10"]
+    argv = _router_argv(
+        "inference.router.retries=0",
+        "inference.router.circuit_breaker_failures=0",
+        "inference.router.retry_backoff_ms=20",
+        "inference.router.retry_max_backoff_ms=40",
+    )
     assert _flag(argv, "--retry-max-retries") == "1"  # vllm-router counts attempts: 1 is no retry
     assert "--disable-circuit-breaker" in argv and "--cb-failure-threshold" not in argv
     assert (_flag(argv, "--retry-initial-backoff-ms"), _flag(argv, "--retry-max-backoff-ms")) == ("20", "40")
 
 
 def test_a_router_backoff_shorter_than_its_first_wait_is_a_recipe_error():
-    proc = run_skyrl("recipes", "validate", "quickstart", "--set", "inference.router.retry_max_backoff_ms=50", check=False)
+    proc = run_skyrl(
+        "recipes", "validate", "quickstart", "--set", "inference.router.retry_max_backoff_ms=50", check=False
+    )
     assert proc.returncode == 2
     assert proc.stderr.endswith(": inference.router: retry_max_backoff_ms (50) must be >= retry_backoff_ms (100)\n")
     assert proc.stderr.count("\n") == 1
@@ -88,7 +102,9 @@ def test_an_engine_answering_5xx_or_slowly_is_retried_and_the_run_finishes(tmp_p
     assert summary["completed"] is True and summary["steps"] == 2
     assert proxy.failed >= 3 and proxy.delayed >= 1 and proxy.forwarded > 0, vars(proxy)
     retries = last_metric(run_dir, "rollout/retries")
-    print(f"\nproxy: {proxy.failed} x 503, {proxy.delayed} delayed, {proxy.forwarded} forwarded; rollout/retries {retries}")
+    print(
+        f"\nproxy: {proxy.failed} x 503, {proxy.delayed} delayed, {proxy.forwarded} forwarded; rollout/retries {retries}"
+    )
     assert retries is not None and retries >= 3
     assert summary["metrics"]["rollout/retries"] == retries
     log = (run_dir / "logs/orchestrator.log").read_text()
@@ -126,7 +142,9 @@ def test_the_router_retries_5xx_itself_as_inference_router_retries_says(tmp_path
     from tests.integration.conftest import cpu_machine, inference_recipe
 
     _, engine_url = engine
-    recipe = inference_recipe(engines=0, urls=("http://unused:1",), router={"retries": retries, "circuit_breaker_failures": 0})
+    recipe = inference_recipe(
+        engines=0, urls=("http://unused:1",), router={"retries": retries, "circuit_breaker_failures": 0}
+    )
     with FaultProxy(engine_url, fail_fraction=0.3, seed=retries) as proxy:
         port, prometheus = find_free_ports(2)
         spec = router_spec(recipe, cpu_machine(), [proxy.url], port, prometheus)

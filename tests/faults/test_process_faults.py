@@ -146,9 +146,11 @@ def check_resumed(workdir: Path, run: Path, straight: Path, case: str) -> None:
     assert batch_prompts(run) == batch_prompts(straight), "the resumed run trained other prompts"
     final, reference = losses(run, "train/policy_loss")[STEPS], losses(straight, "train/policy_loss")[STEPS]
     FIGURES[case].update(
-        resumed_from=expected and expected.name, final_loss=final, straight_final_loss=reference,
+        resumed_from=expected and expected.name,
+        final_loss=final,
+        straight_final_loss=reference,
         final_weights_max_abs_diff=weights_diff(run, straight),
-    )  # fmt: skip
+    )
 
 
 def weights_diff(run: Path, other: Path) -> float:
@@ -183,7 +185,12 @@ def test_killed_job_stops_the_run_and_resume_completes_it(workdir, straight, tar
         assert message == f"error: the orchestrator was killed by SIGKILL; log: {RunDir(run).log('orchestrator')}"
     assert stopped_s < STOP_WITHIN_S, f"the run took {stopped_s:.1f} s to stop"
     assert_checkpoint_intact(run)
-    FIGURES[target] = {"seed": seed, "killed_after_step": stopped_at, "stopped_s": round(stopped_s, 1), "message": error_first_line(message)}
+    FIGURES[target] = {
+        "seed": seed,
+        "killed_after_step": stopped_at,
+        "stopped_s": round(stopped_s, 1),
+        "message": error_first_line(message),
+    }
     check_resumed(workdir, run, straight, target)
 
 
@@ -191,7 +198,9 @@ def error_first_line(message: str) -> str:
     return message.splitlines()[0] if message else ""
 
 
-@pytest.mark.parametrize("target, seed, counter", [("router", 21, "router/restarts"), ("engine-0", 22, "engine/restarts")])
+@pytest.mark.parametrize(
+    "target, seed, counter", [("router", 21, "router/restarts"), ("engine-0", 22, "engine/restarts")]
+)
 def test_killed_service_comes_back_and_the_run_completes(workdir, straight, target, seed, counter):
     run = workdir / f"kill-{target}"
     driver = start_rl(workdir, run, seed)
@@ -204,7 +213,9 @@ def test_killed_service_comes_back_and_the_run_completes(workdir, straight, targ
     assert sorted(losses(run, "train/policy_loss")) == list(range(1, STEPS + 1))
     assert_checkpoint_intact(run, STEPS)
     assert batch_prompts(run) == batch_prompts(straight)
-    recovery_s = [v for _, v in events(run, "timing/router_recovery_s" if target == "router" else "timing/engine_recovery_s")]
+    recovery_s = [
+        v for _, v in events(run, "timing/router_recovery_s" if target == "router" else "timing/engine_recovery_s")
+    ]
     FIGURES[target] = {"seed": seed, "restarts": max(restarts), "recovery_s": [round(v, 1) for v in recovery_s]}
 
 

@@ -46,7 +46,8 @@ RICH_EXTRA = {
     },
     "inference": {
         "router": {"policy": "round_robin", "retries": 2, "retry_backoff_ms": 50, "circuit_breaker_failures": 5},
-        "max_retries": 2, "request_timeout_s": 30.0,
+        "max_retries": 2,
+        "request_timeout_s": 30.0,
     },
     "trainer": {"threads_per_rank": 1},
     "logging": {"wandb": {"mode": "disabled"}, "log_every": 5},
@@ -62,8 +63,13 @@ def _merged(base: dict, extra: dict) -> dict:
 
 # Local stand-ins for the files a built-in recipe names outside the checkout (a downloaded model,
 # a data set): so that its breaks reach the checks after the file checks.
-LOCAL_FILES = {("model", "path"): "model", ("rl", "init_from"): "model", ("data", "train"): "own_task/train.jsonl",
-               ("data", "eval"): "own_task/eval.jsonl", ("inference", "speculative", "model"): "model"}  # fmt: skip
+LOCAL_FILES = {
+    ("model", "path"): "model",
+    ("rl", "init_from"): "model",
+    ("data", "train"): "own_task/train.jsonl",
+    ("data", "eval"): "own_task/eval.jsonl",
+    ("inference", "speculative", "model"): "model",
+}
 
 
 def _localized(data: dict) -> dict:
@@ -86,8 +92,6 @@ def _bases() -> dict[str, dict]:
     bases["path_lora"] = _merged(from_path, {"model": {"lora": {"rank": 4}}})
     bases["path_quant"] = {**from_path, "quantization": {"group_size": 32}}
     return bases
-
-
 
 
 def _leaves(data: dict, prefix: tuple = ()) -> list[tuple[tuple, object]]:
@@ -162,8 +166,23 @@ def _wrong_type(value: object):
 def data_break(draw, base: dict) -> Broken:
     """One break of the recipe's data, written back as TOML (so every key has its own line)."""
     leaves = _leaves(base)
-    kind = draw(st.sampled_from(["delete", "wrong_type", "negative", "huge", "any_value", "unknown_key",
-                                 "unknown_table", "delete_table", "layout", "table_to_scalar", "odd_path"]))  # fmt: skip
+    kind = draw(
+        st.sampled_from(
+            [
+                "delete",
+                "wrong_type",
+                "negative",
+                "huge",
+                "any_value",
+                "unknown_key",
+                "unknown_table",
+                "delete_table",
+                "layout",
+                "table_to_scalar",
+                "odd_path",
+            ]
+        )
+    )
     if kind in ("delete", "wrong_type", "negative", "any_value"):
         candidates = leaves if kind != "negative" else [(p, v) for p, v in leaves if _is_number(v)]
         path, value = draw(st.sampled_from(candidates))
@@ -187,8 +206,12 @@ def data_break(draw, base: dict) -> Broken:
         return Broken(kind, tomli_w.dumps({**base, key: {"x": 1}}), True, (key,))
     if kind == "table_to_scalar":
         table = draw(st.sampled_from([t for t in _tables(base) if t]))
-        return Broken(kind, tomli_w.dumps(_set(base, table, draw(ANY_VALUE.filter(lambda v: not isinstance(v, dict))))),
-                      True, table)  # fmt: skip
+        return Broken(
+            kind,
+            tomli_w.dumps(_set(base, table, draw(ANY_VALUE.filter(lambda v: not isinstance(v, dict))))),
+            True,
+            table,
+        )
     if kind == "odd_path":
         data = _set(base, draw(st.sampled_from(PATH_KEYS)), draw(ODD_PATH))
         return Broken(kind, tomli_w.dumps(data), False)
@@ -200,23 +223,61 @@ def data_break(draw, base: dict) -> Broken:
 
 # A plausible config.json of the stand-in model directory (Qwen2.5-1.5B's shape) for the recipes
 # that name a downloaded model.
-MODEL_JSON = json.dumps({"model_type": "qwen2", "hidden_size": 1536, "num_attention_heads": 12, "num_hidden_layers": 28,
-                         "intermediate_size": 8960, "max_position_embeddings": 32768})  # fmt: skip
+MODEL_JSON = json.dumps(
+    {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "num_attention_heads": 12,
+        "num_hidden_layers": 28,
+        "intermediate_size": 8960,
+        "max_position_embeddings": 32768,
+    }
+)
 PATH_KEYS = [("model", "tokenizer"), ("data", "eval"), ("rl", "init_from"), ("quantization", "init_from")]
 # Paths no file has or that name the wrong thing: a NUL byte, a name too long, an unknown user's
 # home, a file for a directory, the model directory (config.json fuzzed), the directory itself.
-ODD_PATH = st.sampled_from(["a\x00b", "x" * 300, "~no_such_user_skyrl/m", "own_task/train.jsonl", "model", ".", "",
-                            "own_task", "model/config.json", "/", "//x"]) | st.text(max_size=8)  # fmt: skip
-JSON_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-2, 4096), st.floats(), st.text(max_size=6),
-                       st.lists(st.integers(0, 4), max_size=2))  # fmt: skip
+ODD_PATH = st.sampled_from(
+    [
+        "a\x00b",
+        "x" * 300,
+        "~no_such_user_skyrl/m",
+        "own_task/train.jsonl",
+        "model",
+        ".",
+        "",
+        "own_task",
+        "model/config.json",
+        "/",
+        "//x",
+    ]
+) | st.text(max_size=8)
+JSON_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 4096),
+    st.floats(),
+    st.text(max_size=6),
+    st.lists(st.integers(0, 4), max_size=2),
+)
 MODEL_CONFIG = st.one_of(
-    st.fixed_dictionaries({}, optional={
-        key: JSON_VALUE | st.sampled_from(["llama", "qwen2", "gpt2"]) if key == "model_type" else JSON_VALUE
-        for key in ("model_type", "num_attention_heads", "hidden_size", "head_dim", "intermediate_size",
-                    "num_hidden_layers", "max_position_embeddings")}).map(json.dumps),
-    st.sampled_from(["", "{", "[1, 2]", "null", '"llama"', "\ufeff{}", "{\"model_type\": \"llama\"}"]),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            key: JSON_VALUE | st.sampled_from(["llama", "qwen2", "gpt2"]) if key == "model_type" else JSON_VALUE
+            for key in (
+                "model_type",
+                "num_attention_heads",
+                "hidden_size",
+                "head_dim",
+                "intermediate_size",
+                "num_hidden_layers",
+                "max_position_embeddings",
+            )
+        },
+    ).map(json.dumps),
+    st.sampled_from(["", "{", "[1, 2]", "null", '"llama"', "\ufeff{}", '{"model_type": "llama"}']),
     st.none(),  # no config.json at all
-)  # fmt: skip
+)
 
 
 def _is_number(value: object) -> bool:
@@ -226,26 +287,54 @@ def _is_number(value: object) -> bool:
 ABSURD_LAYOUT = st.fixed_dictionaries(
     {},
     optional={
-        "trainer": st.fixed_dictionaries({}, optional={
-            "ranks": st.integers(1, 4096), "nnodes": st.integers(1, 64), "node_rank": st.integers(0, 64),
-            "device": st.sampled_from(["auto", "cpu", "cuda"]), "gpus": st.lists(st.integers(0, 16), max_size=5),
-            "zero_stage": st.integers(0, 3), "rdzv_endpoint": st.sampled_from(["h:1", "host:29500"]),
-            "threads_per_rank": st.integers(1, 512)}),
-        "inference": st.fixed_dictionaries({}, optional={
-            "engines": st.integers(0, 512), "tensor_parallel": st.integers(1, 64),
-            "urls": st.lists(st.sampled_from(["http://10.0.0.1:8000", "not a url", ""]), max_size=2),
-            "max_model_len": st.integers(1, 2**20), "kv_cache_bytes": st.integers(1, 2**40),
-            "max_num_seqs": st.integers(1, 10**6), "gpu_memory_utilization": st.floats(0.01, 1.0)}),
-        "rl": st.fixed_dictionaries({}, optional={
-            "prompts_per_step": st.integers(1, 10**6), "samples_per_prompt": st.integers(1, 4096),
-            "max_new_tokens": st.integers(1, 10**6), "mini_batches": st.integers(1, 4096),
-            "max_turns": st.integers(1, 10**4), "max_tokens_per_microbatch": st.integers(1, 10**7)}),
-        "sft": st.fixed_dictionaries({}, optional={
-            "batch_size": st.integers(1, 10**6), "micro_batching": st.sampled_from(["dynamic", "fixed"]),
-            "micro_batch_size": st.integers(1, 10**6), "max_tokens_per_microbatch": st.integers(1, 10**7)}),
+        "trainer": st.fixed_dictionaries(
+            {},
+            optional={
+                "ranks": st.integers(1, 4096),
+                "nnodes": st.integers(1, 64),
+                "node_rank": st.integers(0, 64),
+                "device": st.sampled_from(["auto", "cpu", "cuda"]),
+                "gpus": st.lists(st.integers(0, 16), max_size=5),
+                "zero_stage": st.integers(0, 3),
+                "rdzv_endpoint": st.sampled_from(["h:1", "host:29500"]),
+                "threads_per_rank": st.integers(1, 512),
+            },
+        ),
+        "inference": st.fixed_dictionaries(
+            {},
+            optional={
+                "engines": st.integers(0, 512),
+                "tensor_parallel": st.integers(1, 64),
+                "urls": st.lists(st.sampled_from(["http://10.0.0.1:8000", "not a url", ""]), max_size=2),
+                "max_model_len": st.integers(1, 2**20),
+                "kv_cache_bytes": st.integers(1, 2**40),
+                "max_num_seqs": st.integers(1, 10**6),
+                "gpu_memory_utilization": st.floats(0.01, 1.0),
+            },
+        ),
+        "rl": st.fixed_dictionaries(
+            {},
+            optional={
+                "prompts_per_step": st.integers(1, 10**6),
+                "samples_per_prompt": st.integers(1, 4096),
+                "max_new_tokens": st.integers(1, 10**6),
+                "mini_batches": st.integers(1, 4096),
+                "max_turns": st.integers(1, 10**4),
+                "max_tokens_per_microbatch": st.integers(1, 10**7),
+            },
+        ),
+        "sft": st.fixed_dictionaries(
+            {},
+            optional={
+                "batch_size": st.integers(1, 10**6),
+                "micro_batching": st.sampled_from(["dynamic", "fixed"]),
+                "micro_batch_size": st.integers(1, 10**6),
+                "max_tokens_per_microbatch": st.integers(1, 10**7),
+            },
+        ),
         "data": st.fixed_dictionaries({}, optional={"max_length": st.integers(1, 2**20), "digits": st.integers(1, 12)}),
     },
-)  # fmt: skip
+)
 
 
 @st.composite
@@ -267,7 +356,7 @@ def text_break(draw, base_text: str) -> Broken:
     elif how == "open_string":
         lines[i] = line + ' x = "unterminated'
     else:
-        lines[i] = line + " " + draw(st.sampled_from(["= =", "}", "]]", "\"", "[x"]))
+        lines[i] = line + " " + draw(st.sampled_from(["= =", "}", "]]", '"', "[x"]))
     return Broken(f"syntax_{how}", "\n".join(lines) + "\n", True)
 
 
@@ -294,7 +383,9 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     for recipe in builtin_recipes():  # each one's own folder (data, reward or environment code)
         if recipe.path.with_suffix("").is_dir():
-            shutil.copytree(recipe.path.with_suffix(""), root / recipe.name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                recipe.path.with_suffix(""), root / recipe.name, ignore=shutil.ignore_patterns("__pycache__")
+            )
     (root / "model").mkdir()
     old = os.getcwd()
     os.chdir(root)
@@ -302,8 +393,10 @@ def workdir(tmp_path_factory):
     os.chdir(old)
     refused = sum(code == 2 for _, code in GENERATED)
     kinds = sorted({kind for kind, _ in GENERATED})
-    print(f"\n{len(GENERATED)} broken recipes generated, {refused} refused with exit 2: " + ", ".join(
-        f"{k} {sum(kind == k for kind, _ in GENERATED)}" for k in kinds))  # fmt: skip
+    print(
+        f"\n{len(GENERATED)} broken recipes generated, {refused} refused with exit 2: "
+        + ", ".join(f"{k} {sum(kind == k for kind, _ in GENERATED)}" for k in kinds)
+    )
 
 
 def _skyrl(*args: str, gpus: int) -> tuple[int, str]:
@@ -381,7 +474,9 @@ def test_a_broken_recipe_gets_exit_2_and_file_line_messages(workdir, case, gpus)
 
 # ``--set`` overrides: a key path (real, misspelt or nonsense) and a value (TOML or not).
 SET_KEY = st.one_of(
-    st.sampled_from([".".join(map(str, p)) for p, _ in _leaves(BASES["rich"])] + ["rl.async", "model.init", "inference.router"]),
+    st.sampled_from(
+        [".".join(map(str, p)) for p, _ in _leaves(BASES["rich"])] + ["rl.async", "model.init", "inference.router"]
+    ),
     st.from_regex(r"\A[a-z_.\[\]0-9]{1,20}\Z"),
 )
 SET_VALUE = st.one_of(
@@ -390,8 +485,12 @@ SET_VALUE = st.one_of(
 )
 
 
-@settings(max_examples=max(50, EXAMPLES // 3), deadline=None, derandomize=not RANDOM,
-          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=max(50, EXAMPLES // 3),
+    deadline=None,
+    derandomize=not RANDOM,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(key=SET_KEY, value=SET_VALUE, stage=st.sampled_from(["sft", "rl"]))
 def test_a_broken_override_gets_exit_2_and_a_set_message(workdir, key, value, stage):
     path = workdir / "rich.toml"

@@ -26,8 +26,8 @@ import pytest
 
 from skyrl_contracts.rundir import RunDir
 from tests.faults.harness import (
-    Driver,
     TRACEBACK,
+    Driver,
     assert_checkpoint_intact,
     assert_clean_failure,
     losses,
@@ -91,10 +91,19 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_resumes(tmp_pa
         paths = RunDir(run)
         wait_until(driver, lambda: paths.latest_checkpoint() is not None, "checkpoint step-4", poll_s=0.1)
         code = driver.wait(timeout_s=300)
-        message = assert_clean_failure(driver, code, run, "checkpoint step-8 not written: No space left on device", "step-4 is intact", "trainer.log")
+        message = assert_clean_failure(
+            driver,
+            code,
+            run,
+            "checkpoint step-8 not written: No space left on device",
+            "step-4 is intact",
+            "trainer.log",
+        )
         assert str(run) in message
         assert_checkpoint_intact(run, 4)
-        assert not [p.name for p in paths.checkpoints.iterdir() if p.name.startswith(".tmp-")], "partial checkpoint left"
+        assert not [p.name for p in paths.checkpoints.iterdir() if p.name.startswith(".tmp-")], (
+            "partial checkpoint left"
+        )
 
         ballast.unlink()
         run_skyrl("sft", recipe, "--run-dir", run, "--resume", "--quiet", cwd=tmp_path)
@@ -142,7 +151,12 @@ def test_run_directory_under_a_file_is_refused_before_anything_starts(tmp_path):
 def test_corrupt_or_vanished_data_file_names_it_and_resumes_once_fixed(tmp_path):
     train = write_rows(tmp_path / "train.jsonl")
     good = train.read_text()
-    base = one_step_recipe(tmp_path, train).read_text().replace("steps = 1\n", "steps = 4\n").replace("save_every = 0", "save_every = 2")
+    base = (
+        one_step_recipe(tmp_path, train)
+        .read_text()
+        .replace("steps = 1\n", "steps = 4\n")
+        .replace("save_every = 0", "save_every = 2")
+    )
     recipe = tmp_path / "data.toml"
     recipe.write_text(base)
     run = tmp_path / "run"

@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory):
 
 # The reward's answer, call by call (a counter, so that every kind comes up in a short run); each
 # call's kind is appended to calls.jsonl for the test to compare with the records.
-FAULTY_REWARD = '''
+FAULTY_REWARD = """
     import itertools, json, math, time
 
     CALLS = {calls!r}
@@ -46,7 +46,7 @@ FAULTY_REWARD = '''
             time.sleep(60)
         return {"nan": math.nan, "inf": math.inf, "string_number": "0.5", "string": "abc", "none": None,
                 "bool": True, "ok": 1.0}[kind]
-'''
+"""
 # What the record of each faulty kind says.
 REWARD_ERRORS = {
     "raise": "ValueError: boom in the user's reward",
@@ -72,8 +72,10 @@ def test_a_reward_that_raises_hangs_or_returns_no_number_scores_0_and_the_run_go
     records = sample_errors(run_dir)
     calls = Counter(json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines())
     said = Counter(r["error"] for r in records)
-    print(f"\nreward faults: {sum(calls[k] for k in REWARD_ERRORS)} faulty calls of {sum(calls.values())}, "
-          f"{len(records)} error records, rollout/errors {summary['metrics']['rollout/errors']:.0f}")  # fmt: skip
+    print(
+        f"\nreward faults: {sum(calls[k] for k in REWARD_ERRORS)} faulty calls of {sum(calls.values())}, "
+        f"{len(records)} error records, rollout/errors {summary['metrics']['rollout/errors']:.0f}"
+    )
     for kind, message in REWARD_ERRORS.items():
         assert said[f"step: {message}"] >= 1, (kind, said)
     # Every record is one faulty call (calls of groups cut short at shutdown leave none).
@@ -88,7 +90,7 @@ def test_a_reward_that_raises_hangs_or_returns_no_number_scores_0_and_the_run_go
 
 
 # The environment's behaviour, episode by episode (again a counter over all episodes).
-FAULTY_ENV = '''
+FAULTY_ENV = """
     import itertools
     from backends.rollout.environments import Environment, StepResult
 
@@ -116,7 +118,7 @@ FAULTY_ENV = '''
             if self.kind == "reward_string":
                 return StepResult(reward="1", done=True)
             return StepResult(reward=1.0, done=True)
-'''
+"""
 ENV_ERRORS = {
     "observation_string": "step: observation: messages must be a list of {'role', 'content'} dicts, got str",
     "observation_no_content": "step: observation: message 0: 'content' must be a string, got NoneType",
@@ -137,8 +139,10 @@ def test_an_environment_that_never_ends_or_returns_malformed_messages(tmp_path, 
     assert summary["completed"] is True and summary["steps"] == 2
 
     said = Counter(r["error"] for r in sample_errors(run_dir))
-    print(f"\nenvironment faults: {sum(said.values())} error records, rollout/errors "
-          f"{summary['metrics']['rollout/errors']:.0f}, turns_mean {last_metric(run_dir, 'rollout/turns_mean'):.2f}")
+    print(
+        f"\nenvironment faults: {sum(said.values())} error records, rollout/errors "
+        f"{summary['metrics']['rollout/errors']:.0f}, turns_mean {last_metric(run_dir, 'rollout/turns_mean'):.2f}"
+    )
     for kind, message in ENV_ERRORS.items():
         assert said[message] >= 1, (kind, said)
     assert set(said) == set(ENV_ERRORS.values()), said  # an episode that never ends is no error
@@ -148,12 +152,16 @@ def test_an_environment_that_never_ends_or_returns_malformed_messages(tmp_path, 
 
 
 def test_the_live_view_shows_the_error_and_retry_counts():
-    from skyrl_contracts.events import MetricEvent
     from skyrl_cli.metrics.live import MetricBoard
+    from skyrl_contracts.events import MetricEvent
 
     board = MetricBoard()
-    board.update([MetricEvent(0.0, 3, "orchestrator", "rollout/errors", 7.0),
-                  MetricEvent(0.0, 3, "orchestrator", "rollout/retries", 2.0)])  # fmt: skip
+    board.update(
+        [
+            MetricEvent(0.0, 3, "orchestrator", "rollout/errors", 7.0),
+            MetricEvent(0.0, 3, "orchestrator", "rollout/retries", 2.0),
+        ]
+    )
     assert ("sample errors", "7") in board.rows() and ("request retries", "2") in board.rows()
 
 
@@ -177,4 +185,10 @@ def test_an_episode_that_never_ends_stops_at_max_turns_without_an_error():
         return "1"
 
     episode = asyncio.run(run_episode(NeverEnds, {"prompt": "1+1="}, generate, GuardedCaller(1.0), max_turns=3))
-    assert (episode.turns, episode.done, episode.error, episode.reward, turns_asked) == (3, False, None, 0.75, [0, 1, 2])
+    assert (episode.turns, episode.done, episode.error, episode.reward, turns_asked) == (
+        3,
+        False,
+        None,
+        0.75,
+        [0, 1, 2],
+    )

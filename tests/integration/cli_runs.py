@@ -9,12 +9,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SKYRL = Path(sys.executable).parent / "skyrl"
-ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions"))}
+ENV = {
+    **os.environ,
+    "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions")),
+}
 
 
 def run_skyrl(*args, cwd: Path = REPO, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     """``skyrl ARGS`` as a user runs it; raises with its output when it fails (``check``)."""
-    proc = subprocess.run([str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=timeout)
+    proc = subprocess.run(
+        [str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

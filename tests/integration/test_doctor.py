@@ -16,7 +16,15 @@ def test_doctor_with_the_engine_smoke_test_passes_on_a_set_up_machine():
     lines = proc.stdout.splitlines()
     assert not [line for line in lines if line.startswith("fail")], proc.stdout
     names = {line[6:].split(":")[0] for line in lines if line.startswith("pass")}
-    assert {"deepspeed imports", "vllm imports", "vllm-router starts", "layout", "ports", "disk", "engine smoke test"} <= names
+    assert {
+        "deepspeed imports",
+        "vllm imports",
+        "vllm-router starts",
+        "layout",
+        "ports",
+        "disk",
+        "engine smoke test",
+    } <= names
     assert {"gloo", "nccl"} & names
     (smoke,) = [line for line in lines if line.startswith("pass  engine smoke test: ")]
     assert "started and generated" in smoke

@@ -57,7 +57,10 @@ def test_every_turn_of_a_session_reaches_the_same_engine(engines_and_router):
         async def batch():
             async with live.client() as client:
                 return await asyncio.gather(
-                    *(multi_turn(client, f"sticky-{i}", PROMPTS[i % len(PROMPTS)], turns=3, max_tokens=8) for i in range(12))
+                    *(
+                        multi_turn(client, f"sticky-{i}", PROMPTS[i % len(PROMPTS)], turns=3, max_tokens=8)
+                        for i in range(12)
+                    )
                 )
 
         results = run(batch())
@@ -88,7 +91,9 @@ def test_n_samples_and_greedy_through_the_router(engines_and_router):
             samples = await client.generate(PROMPTS[0], "n-samples", max_tokens=16, temperature=1.0, n=4)
             greedy_a = await client.generate(PROMPTS[1], "greedy-a", max_tokens=16, temperature=0.0)
             greedy_b = await client.generate(PROMPTS[1], "greedy-b", max_tokens=16, temperature=0.0)
-            batch = await client.generate_batch([PROMPTS[1], PROMPTS[0]], "greedy-batch", max_tokens=16, temperature=0.0)
+            batch = await client.generate_batch(
+                [PROMPTS[1], PROMPTS[0]], "greedy-batch", max_tokens=16, temperature=0.0
+            )
             return samples, greedy_a, greedy_b, batch
 
     samples, (greedy_a,), (greedy_b,), batch = run(go())
@@ -211,7 +216,10 @@ def test_sigkill_engine_mid_batch_batch_completes_and_engine_returns(engines_and
     async def batch_with_kill():
         async with live.client(max_retries=6) as client:
             work = asyncio.gather(
-                *(multi_turn(client, f"kill-{i}", PROMPTS[i % len(PROMPTS)], turns=turns, max_tokens=48) for i in range(sessions))
+                *(
+                    multi_turn(client, f"kill-{i}", PROMPTS[i % len(PROMPTS)], turns=turns, max_tokens=48)
+                    for i in range(sessions)
+                )
             )
             task = asyncio.ensure_future(work)
             deadline = time.monotonic() + 30
@@ -234,7 +242,11 @@ def test_sigkill_engine_mid_batch_batch_completes_and_engine_returns(engines_and
     router = RouterAdmin(live.router_url)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        if live.stack.recovery.restarts.get(victim_name) and victim_url in router.list_workers() and not live.stack.recovery.recovering.is_set():
+        if (
+            live.stack.recovery.restarts.get(victim_name)
+            and victim_url in router.list_workers()
+            and not live.stack.recovery.recovering.is_set()
+        ):
             break
         time.sleep(0.5)
     assert victim_url in router.list_workers(), "killed engine is not back in the router"

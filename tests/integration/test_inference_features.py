@@ -30,12 +30,14 @@ async def greedy(url: str, prompts, max_tokens: int, model: str = "policy"):
 
 
 def test_ngram_speculative_decoding_is_lossless_and_reports_acceptance(tiny_model_dir, pattern_policy, tmp_path):
-    from skyrl_cli.engines.metrics import MetricsScraper
     from backends.inference.weight_sync import run_blocking, sync_weights
+    from skyrl_cli.engines.metrics import MetricsScraper
     from skyrl_contracts.events import EventWriter, last_values, read_events
 
     model, weights = pattern_policy.model, pattern_policy.weights_dir
-    recipe = inference_recipe(engines=1, speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    recipe = inference_recipe(
+        engines=1, speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    )
     with single_engine(recipe, tiny_model_dir, tmp_path) as url:
         run_blocking(sync_weights([url], weights, 1))
         writer = EventWriter(tmp_path / "events.jsonl", "metrics")
@@ -63,7 +65,9 @@ def test_lora_adapter_reaches_the_engine(tiny_model_dir, tmp_path):
     from backends.models.lora import apply_lora, save_adapter
     from skyrl_contracts.schema import LoraConfig
 
-    lora = LoraConfig(rank=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    lora = LoraConfig(
+        rank=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     peft_model = train_pattern_policy(apply_lora(base, lora), steps=200, lr=1e-2)
     adapter_dir = save_adapter(peft_model, tmp_path / "adapter-1")

@@ -73,9 +73,9 @@ def test_sigkilled_driver_leaves_no_engine_process(tiny_model_dir, tmp_path):
 
 
 def test_failed_engine_start_leaves_nothing(tmp_path):
-    from skyrl_contracts.errors import LaunchError
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import engine_specs
+    from skyrl_contracts.errors import LaunchError
 
     (port,) = free_ports(1)
     missing = tmp_path / "no-such-model"

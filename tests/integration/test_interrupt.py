@@ -94,7 +94,10 @@ def test_sigint_during_rl_training_exits_130_with_the_checkpoint_and_no_process_
     assert len(groups) >= 5, groups  # engine, router, orchestrator, trainer, reaper
     assert not wait_groups_gone(groups), "processes left behind"
     last = text.strip().splitlines()[-1]
-    match = re.fullmatch(r"rl interrupted \(SIGINT\) at step (\d+) during training; last complete checkpoint: (\S+) \(resume with --resume\)", last)
+    match = re.fullmatch(
+        r"rl interrupted \(SIGINT\) at step (\d+) during training; last complete checkpoint: (\S+) \(resume with --resume\)",
+        last,
+    )
     assert match, last
     assert Path(match.group(2)) == RunDir(run).latest_checkpoint().relative_to(tmp_path)
     assert int(match.group(1)) < 40 and "Traceback" not in text

@@ -19,13 +19,25 @@ SMALL = ("--set", "data.eval_size=32", "--set", "model.init={hidden_size=64,laye
 
 def test_own_task_sft_then_rl_with_the_users_reward(tmp_path):
     sft = run_skyrl(
-        "sft", RECIPE, *SMALL, "--set", "sft.steps=20", "--set", "sft.eval_every=0", "--set", "sft.save_every=0",
-        "--quiet", cwd=tmp_path, timeout=600,
-    )  # fmt: skip
+        "sft",
+        RECIPE,
+        *SMALL,
+        "--set",
+        "sft.steps=20",
+        "--set",
+        "sft.eval_every=0",
+        "--set",
+        "sft.save_every=0",
+        "--quiet",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert "sft done:" in sft.stdout
     assert json.loads((tmp_path / "runs/own_task/sft/summary.json").read_text())["completed"] is True
 
-    rl = run_skyrl("rl", RECIPE, *SMALL, "--set", "rl.steps=3", "--set", "rl.eval_every=0", "--quiet", cwd=tmp_path, timeout=600)
+    rl = run_skyrl(
+        "rl", RECIPE, *SMALL, "--set", "rl.steps=3", "--set", "rl.eval_every=0", "--quiet", cwd=tmp_path, timeout=600
+    )
     assert "rl done:" in rl.stdout
     run = tmp_path / "runs/own_task/rl"
     assert json.loads((run / "summary.json").read_text())["completed"] is True

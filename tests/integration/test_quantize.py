@@ -62,7 +62,11 @@ def exports(tmp_path_factory, tiny_model_dir):
     full = train_pattern_policy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
     save_hf(full, tokenizer, root / "full")
     found = {}
-    for name, src, group in (("qat-32", root / "qat-final", 32), ("ptq-32", root / "full", 32), ("ptq-128", root / "full", 128)):
+    for name, src, group in (
+        ("qat-32", root / "qat-final", 32),
+        ("ptq-32", root / "full", 32),
+        ("ptq-128", root / "full", 128),
+    ):
         group_cfg = cfg.model_copy(update={"group_size": group})
         export_rtn(src, root / f"{name}-int4", group_cfg)
         found[name] = (fake_quant_copy(src, group_cfg), root / f"{name}-int4")

@@ -17,7 +17,16 @@ from tests.integration.cli_runs import REPO, events, run_skyrl
 
 pytestmark = pytest.mark.integration
 
-SHORTER = ["--set", "data.eval_size=200", "--set", "sft.steps=500", "--set", "sft.eval_every=0", "--set", "sft.save_every=0"]
+SHORTER = [
+    "--set",
+    "data.eval_size=200",
+    "--set",
+    "sft.steps=500",
+    "--set",
+    "sft.eval_every=0",
+    "--set",
+    "sft.save_every=0",
+]
 RL = ["--set", "rl.steps=10", "--set", "rl.eval_every=0", "--set", "rl.save_every=0"]
 
 
@@ -28,7 +37,18 @@ def test_shortened_quickstart_rl_raises_held_out_accuracy(tmp_path):
     sft_accuracy = events(sft_dir, "eval/accuracy")[-1][1]
     assert 0.2 < sft_accuracy < 0.75, f"SFT should have learned the sums and copied the flaw: {sft_accuracy}"
 
-    run_skyrl("rl", recipe, "--run-dir", rl_dir, "--quiet", *SHORTER, *RL, "--set", f"rl.init_from={sft_dir / 'final'}", timeout=600)
+    run_skyrl(
+        "rl",
+        recipe,
+        "--run-dir",
+        rl_dir,
+        "--quiet",
+        *SHORTER,
+        *RL,
+        "--set",
+        f"rl.init_from={sft_dir / 'final'}",
+        timeout=600,
+    )
     summary = json.loads((rl_dir / "summary.json").read_text())
     assert summary["completed"] is True
     assert summary["eval_accuracy_initial"] == pytest.approx(sft_accuracy, abs=0.05)  # engines serve the SFT model

@@ -140,9 +140,19 @@ def test_custom_multi_turn_environment(workdir):
     (workdir / "two_turn_env.py").write_text(TWO_TURN_ENV)
     run = workdir / "runs/rltest/rl-env"
     skyrl(
-        workdir, "rl", "recipe.toml", "--run-dir", run, "--quiet",
-        "--set", "rl.environment=two_turn_env:TwoTurns", "--set", "rl.max_turns=2", "--set", "rl.steps=1",
-    )  # fmt: skip
+        workdir,
+        "rl",
+        "recipe.toml",
+        "--run-dir",
+        run,
+        "--quiet",
+        "--set",
+        "rl.environment=two_turn_env:TwoTurns",
+        "--set",
+        "rl.max_turns=2",
+        "--set",
+        "rl.steps=1",
+    )
     assert [v for _, v in events(run, "rollout/turns_mean")] == [2.0]
     assert [v for _, v in events(run, "rollout/errors")] == [0.0]
     assert [s for s, _ in events(run, "train/policy_loss")] == [1]

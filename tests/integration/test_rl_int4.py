@@ -18,12 +18,15 @@ from tests.integration.test_rl import RECIPE as RL_RECIPE
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # test_rl.py's recipe (2 learner ranks, ZeRO-2) with INT4 rollouts; SFT stays in full precision
-RECIPE = RL_RECIPE.replace('name = "rltest"', 'name = "rlint4"') + """
+RECIPE = (
+    RL_RECIPE.replace('name = "rltest"', 'name = "rlint4"')
+    + """
 [quantization]
 group_size = 32
 int4_qat = false
 int4_rollouts = true
 """
+)
 
 
 def quantization_config(model_dir: Path) -> dict:

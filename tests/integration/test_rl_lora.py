@@ -127,7 +127,9 @@ def test_lora_run_resumes_onto_the_checkpoint_adapter(tmp_path):
     # v0 (the initial adapter), 1, 2; after the resume first the checkpoint's adapter, then the next.
     assert [int(v) for _, v in events(run, "weights/version")] == [0, 1, 2, 2, 3]
     engine_log = (run / "logs/engine-0.log").read_text().removeprefix(first_engine_log)
-    loaded = [line.split("name '")[1].split("'")[0] for line in engine_log.splitlines() if "Loaded new LoRA adapter" in line]
+    loaded = [
+        line.split("name '")[1].split("'")[0] for line in engine_log.splitlines() if "Loaded new LoRA adapter" in line
+    ]
     assert loaded[:2] == ["policy-v2", "policy-v3"], loaded
     assert json.loads((run / "weights/current.json").read_text())["lora_name"] == "policy-v3"
     # The engines sampled from the adapter the learner holds (a stale or missing one shows here).

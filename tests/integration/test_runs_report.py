@@ -25,10 +25,27 @@ pytestmark = pytest.mark.integration
 
 RECIPE = REPO / "recipes" / "quickstart.toml"
 SHORT = ["--set", "data.digits=1", "--set", "data.eval_size=100"]
-SFT = ["--set", "sft.steps=120", "--set", "sft.eval_every=30", "--set", "sft.save_every=0", "--set", "sft.warmup_steps=20"]
+SFT = [
+    "--set",
+    "sft.steps=120",
+    "--set",
+    "sft.eval_every=30",
+    "--set",
+    "sft.save_every=0",
+    "--set",
+    "sft.warmup_steps=20",
+]
 RL = ["--set", "rl.steps=6", "--set", "rl.eval_every=3", "--set", "rl.save_every=0"]
-PANELS = ["reward", "held-out accuracy", "loss", "KL", "logprob diff, trainer vs engine", "throughput (tokens/s)",
-          "staleness (policy versions)", "engine KV cache use"]  # fmt: skip
+PANELS = [
+    "reward",
+    "held-out accuracy",
+    "loss",
+    "KL",
+    "logprob diff, trainer vs engine",
+    "throughput (tokens/s)",
+    "staleness (policy versions)",
+    "engine KV cache use",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +55,14 @@ def runs(tmp_path_factory) -> Path:
     run_skyrl("sft", RECIPE, "--run-dir", root / "sft", "--quiet", *SHORT, *SFT, timeout=600)
     rl = ["rl", RECIPE, "--quiet", *SHORT, *RL, "--set", f"rl.init_from={root / 'sft' / 'final'}"]
     procs = {
-        name: subprocess.Popen([str(SKYRL), *map(str, rl), "--run-dir", str(root / name), *flags], cwd=REPO, env=ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        name: subprocess.Popen(
+            [str(SKYRL), *map(str, rl), "--run-dir", str(root / name), *flags],
+            cwd=REPO,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for name, flags in (("sync", []), ("async", ["--async"]))
     }
     for name, proc in procs.items():
@@ -60,9 +83,25 @@ def test_the_runs_learned(runs):
 def test_ls_and_compare(runs):
     listed = [json.loads(line) for line in run_skyrl("runs", "ls", "--root", runs, "--json").stdout.splitlines()]
     assert sorted((Path(r["run"]).name, r["stage"], r["status"], r["steps"]) for r in listed) == [
-        ("async", "rl", "done", 6), ("sft", "sft", "done", 120), ("sync", "rl", "done", 6)]  # fmt: skip
+        ("async", "rl", "done", 6),
+        ("sft", "sft", "done", 120),
+        ("sync", "rl", "done", 6),
+    ]
     out = runs / "compare.png"
-    compared = run_skyrl("runs", "compare", "sync", "async", "--root", runs, "-m", "eval/accuracy", "-m", "rollout/reward_mean", "-o", out)
+    compared = run_skyrl(
+        "runs",
+        "compare",
+        "sync",
+        "async",
+        "--root",
+        runs,
+        "-m",
+        "eval/accuracy",
+        "-m",
+        "rollout/reward_mean",
+        "-o",
+        out,
+    )
     assert re.search(r"eval/accuracy\s*│\s*[\d.]+\s*│\s*[\d.]+", compared.stdout), compared.stdout
     assert png_size(out.read_bytes()) == (1200, 600)
 
@@ -102,7 +141,15 @@ PROBE = """<script>window.addEventListener("load", () => {
 
 
 def headless(browser: str, *args: str) -> subprocess.CompletedProcess:
-    argv = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=10000", *args]
+    argv = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--virtual-time-budget=10000",
+        *args,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 

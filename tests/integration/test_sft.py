@@ -23,7 +23,6 @@ from tests.integration.cli_runs import ENV, events, run_skyrl
 pytestmark = pytest.mark.integration
 
 
-
 def write_recipe(path: Path, body: str) -> Path:
     path.write_text('name = "itest"\nseed = 3\n' + body)
     return path
@@ -91,7 +90,9 @@ def reference_step(recipe) -> dict:
     loss = token_nll_sum(model, collate(batch, "padded", tokenizer.pad_token_id)) / sum(ex.loss_tokens for ex in batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), sft.grad_clip)
-    lr = sft.learning_rate * lr_factor(0, warmup=sft.warmup_steps, total=sft.steps, kind=sft.schedule, min_ratio=sft.min_lr_ratio)
+    lr = sft.learning_rate * lr_factor(
+        0, warmup=sft.warmup_steps, total=sft.steps, kind=sft.schedule, min_ratio=sft.min_lr_ratio
+    )
     torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=sft.weight_decay).step()
     return {k: v.detach() for k, v in model.state_dict().items()}, [len(ex) for ex in batch]
 
@@ -173,7 +174,9 @@ def run_until_checkpoint_then_kill(recipe_path: Path, run_dir: Path, step: int) 
     RunDir(run_dir).prepare(recipe, plan)
     (spec,) = plan.processes
     with open(run_dir / "logs" / "trainer.log", "ab") as log:
-        proc = subprocess.Popen(spec.argv, env={**ENV, **spec.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            spec.argv, env={**ENV, **spec.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 180
         while not (run_dir / "checkpoints" / f"step-{step}" / "trainer_state.json").exists():
@@ -232,20 +235,33 @@ def test_cli_run_writes_summary_and_a_loadable_model(straight_run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert last["summary"]["metrics"] == summary["metrics"]
     assert summary["completed"] is True and summary["steps"] == 16
-    for name in ("train/loss", "train/lr", "train/grad_norm", "train/num_microbatches", "train/packing_efficiency",
-                 "train/padding_microbatches", "eval/loss", "eval/accuracy", "progress/total_steps"):  # fmt: skip
+    for name in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/num_microbatches",
+        "train/packing_efficiency",
+        "train/padding_microbatches",
+        "eval/loss",
+        "eval/accuracy",
+        "progress/total_steps",
+    ):
         assert name in summary["metrics"], name
     assert summary["throughput"]["train/tokens_per_s"]["mean"] > 0
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "001+002="}], add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "001+002="}], add_generation_prompt=True, return_dict=False
+    )
     out = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)
     assert out.shape[1] > len(ids)
 
 
 def test_trainer_failure_reports_the_log(tmp_path):
-    recipe_path = write_recipe(tmp_path / "bad.toml", RESUMABLE.replace('task = "addition"\n', 'task = "addition"\nmax_length = 8\n'))
+    recipe_path = write_recipe(
+        tmp_path / "bad.toml", RESUMABLE.replace('task = "addition"\n', 'task = "addition"\nmax_length = 8\n')
+    )
     proc = skyrl("sft", recipe_path, "--run-dir", tmp_path / "run", "--quiet", check=False)
     assert proc.returncode == 1
     assert "the trainer failed" in proc.stderr and "trainer.log" in proc.stderr

@@ -30,7 +30,12 @@ STEPS, LR = 30, 5e-3
 class Stack:
     def __init__(self, supervisor, server_spec, base_url: str, base_model: str, stack):
         self.supervisor, self.server_spec, self.base_url, self.base_model, self.stack = (
-            supervisor, server_spec, base_url, base_model, stack)  # fmt: skip
+            supervisor,
+            server_spec,
+            base_url,
+            base_model,
+            stack,
+        )
 
     def restart_server_with_sigkill(self) -> None:
         proc = self.supervisor.processes[self.server_spec.name]
@@ -43,21 +48,31 @@ class Stack:
 @pytest.fixture(scope="module")
 def tinker_stack(tmp_path_factory, tiny_model_dir):
     from skyrl_cli.engines.stack import launch_inference
-    from skyrl_contracts.atomic import write_json
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.machine import detect_machine
     from skyrl_cli.plan.tinker import SERVER_NAME, plan_tinker
     from skyrl_cli.recipe.lengths import with_model_lengths
+    from skyrl_contracts.atomic import write_json
     from skyrl_contracts.schema import Recipe
 
     (port,) = free_ports(1)
-    recipe = with_model_lengths(Recipe.model_validate({
-        "name": "tinker-itest",
-        "model": {"path": str(tiny_model_dir)},
-        "inference": {"engines": 1},
-        "tinker": {"port": port, "api_keys": [KEY_A, KEY_B], "base_model": "tiny-llama", "max_lora_rank": 16,
-                   "max_live_adapters": 8, "long_poll_s": 5},
-    }))  # fmt: skip
+    recipe = with_model_lengths(
+        Recipe.model_validate(
+            {
+                "name": "tinker-itest",
+                "model": {"path": str(tiny_model_dir)},
+                "inference": {"engines": 1},
+                "tinker": {
+                    "port": port,
+                    "api_keys": [KEY_A, KEY_B],
+                    "base_model": "tiny-llama",
+                    "max_lora_rank": 16,
+                    "max_live_adapters": 8,
+                    "long_poll_s": 5,
+                },
+            }
+        )
+    )
     run_dir = tmp_path_factory.mktemp("tinker-run")
     plan, config = plan_tinker(recipe, run_dir, detect_machine())
     write_json(run_dir / "server.json", config)
@@ -65,7 +80,9 @@ def tinker_stack(tmp_path_factory, tiny_model_dir):
     (router,) = [p for p in plan.processes if p.role == "router"]
     (server,) = [p for p in plan.processes if p.name == SERVER_NAME]
     with Supervisor(run_dir) as sup:
-        stack = launch_inference(sup, engines, router, plan.engine_urls, plan.router_url, run_dir, metrics_period_s=None)
+        stack = launch_inference(
+            sup, engines, router, plan.engine_urls, plan.router_url, run_dir, metrics_period_s=None
+        )
         try:
             sup.start(server)
             sup.wait_ready([server.name])
@@ -115,8 +132,10 @@ def test_sdk_end_to_end(tinker_stack):
 
         # cross_entropy with negative weights: plain sum semantics
         weights = np.linspace(-1.0, 1.0, len(SEQ_A) - 1).astype(np.float32)
-        neg = types.Datum(model_input=types.ModelInput.from_ints(SEQ_A[:-1]),
-                          loss_fn_inputs={"target_tokens": SEQ_A[1:], "weights": weights.tolist()})  # fmt: skip
+        neg = types.Datum(
+            model_input=types.ModelInput.from_ints(SEQ_A[:-1]),
+            loss_fn_inputs={"target_tokens": SEQ_A[1:], "weights": weights.tolist()},
+        )
         out = tc.forward([neg], "cross_entropy").result()
         assert out.metrics["loss:sum"] == pytest.approx(float(-(weights * lp).sum()), rel=1e-4, abs=1e-5)
 
@@ -124,10 +143,13 @@ def test_sdk_end_to_end(tinker_stack):
         n = len(SEQ_A) - 1
         sampler_lp = (lp - 0.3).astype(np.float32)
         adv = np.where(np.arange(n) % 2 == 0, 1.0, -1.0).astype(np.float32)
-        ppo_datum = types.Datum(model_input=types.ModelInput.from_ints(SEQ_A[:-1]),
-                                loss_fn_inputs={"target_tokens": SEQ_A[1:], "logprobs": sampler_lp.tolist(),
-                                                "advantages": adv.tolist()})  # fmt: skip
-        ppo = tc.forward_backward([ppo_datum], "ppo", loss_fn_config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}).result()
+        ppo_datum = types.Datum(
+            model_input=types.ModelInput.from_ints(SEQ_A[:-1]),
+            loss_fn_inputs={"target_tokens": SEQ_A[1:], "logprobs": sampler_lp.tolist(), "advantages": adv.tolist()},
+        )
+        ppo = tc.forward_backward(
+            [ppo_datum], "ppo", loss_fn_config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+        ).result()
         ratio = np.exp(ppo.loss_fn_outputs[0]["logprobs"].to_numpy() - sampler_lp)
         expected = -np.minimum(ratio * adv, np.clip(ratio, 0.9, 1.1) * adv).sum()
         assert ppo.metrics["loss:sum"] == pytest.approx(float(expected), rel=1e-4)
@@ -142,8 +164,11 @@ def test_sdk_end_to_end(tinker_stack):
         train_lp = tc.forward([ce_datum(SEQ_A)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         assert np.allclose(np.array(plp[1:], dtype=np.float32), train_lp, atol=0.15)
         # several samples at temperature 1 (n > 1), each with its sequence id
-        many = sampler.sample(types.ModelInput.from_ints(SEQ_A[:PROMPT_LEN]), 3,
-                              types.SamplingParams(max_tokens=5, temperature=1.0, seed=1)).result()  # fmt: skip
+        many = sampler.sample(
+            types.ModelInput.from_ints(SEQ_A[:PROMPT_LEN]),
+            3,
+            types.SamplingParams(max_tokens=5, temperature=1.0, seed=1),
+        ).result()
         assert len(many.sequences) == 3 and all(len(s.tokens) <= 5 for s in many.sequences)
 
         # named sampler checkpoint, used through a sampling client made from its path
@@ -180,19 +205,26 @@ def test_sdk_end_to_end(tinker_stack):
     with httpx.Client(base_url=tinker_stack.base_url, timeout=30) as http:
         r = http.post("/api/v1/get_info", json={"model_id": model_a}, headers=headers)
         assert r.status_code == 404
-        r = http.post("/api/v1/optim_step", json={"model_id": model_a, "seq_id": 99, "adam_params": {}}, headers=headers)
+        r = http.post(
+            "/api/v1/optim_step", json={"model_id": model_a, "seq_id": 99, "adam_params": {}}, headers=headers
+        )
         assert r.status_code == 404
         r = http.get(f"/api/v1/training_runs/{model_a.replace(':', '_')}/checkpoints", headers=headers)
         assert r.status_code == 404
         r = http.post("/api/v1/get_info", json={"model_id": model_a}, headers={"X-API-Key": "tml-wrong"})
         assert r.status_code == 401
-    with tinker.ServiceClient(base_url=tinker_stack.base_url, api_key=KEY_B) as sc_b, pytest.raises(tinker.NotFoundError):
+    with (
+        tinker.ServiceClient(base_url=tinker_stack.base_url, api_key=KEY_B) as sc_b,
+        pytest.raises(tinker.NotFoundError),
+    ):
         sc_b.create_sampling_client(model_path=named).result().sample(
             types.ModelInput.from_ints(SEQ_A[:PROMPT_LEN]), 1, types.SamplingParams(max_tokens=2)
         ).result()
     # a wrong key is refused at the first request
-    with pytest.raises(tinker.AuthenticationError), \
-            tinker.ServiceClient(base_url=tinker_stack.base_url, api_key="tml-wrong") as bad:  # fmt: skip
+    with (
+        pytest.raises(tinker.AuthenticationError),
+        tinker.ServiceClient(base_url=tinker_stack.base_url, api_key="tml-wrong") as bad,
+    ):
         bad.create_lora_training_client(base_model=tinker_stack.base_model, rank=8).result()
 
 
@@ -229,8 +261,11 @@ def test_restart_keeps_checkpoints_and_finished_futures(tinker_stack):
         headers = {"X-API-Key": KEY_A}
         with httpx.Client(base_url=tinker_stack.base_url, timeout=60) as http:
             # a future finished before the kill (the model is live until the session finishes)
-            r = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 1000,
-                                                      "adam_params": {"learning_rate": 0.0}}, headers=headers)  # fmt: skip
+            r = http.post(
+                "/api/v1/optim_step",
+                json={"model_id": tc.model_id, "seq_id": 1000, "adam_params": {"learning_rate": 0.0}},
+                headers=headers,
+            )
             rid = r.json()["request_id"]
             done = http.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=headers).json()
             deadline = time.monotonic() + 60
@@ -243,7 +278,9 @@ def test_restart_keeps_checkpoints_and_finished_futures(tinker_stack):
     with httpx.Client(base_url=tinker_stack.base_url, timeout=60) as http:
         again = http.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=headers).json()
         assert again == done
-        r = http.post("/api/v1/forward_backward", content=b"", headers={**headers, "Content-Type": "application/x-protobuf"})
+        r = http.post(
+            "/api/v1/forward_backward", content=b"", headers={**headers, "Content-Type": "application/x-protobuf"}
+        )
         assert r.status_code == 400
     with tinker.ServiceClient(base_url=tinker_stack.base_url, api_key=KEY_A) as sc:
         assert greedy(sc.create_sampling_client(model_path=sampler_path).result(), SEQ_B) == SEQ_B[PROMPT_LEN:]

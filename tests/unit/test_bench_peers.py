@@ -16,6 +16,7 @@ sys.path.insert(0, str(PEERS))
 import bench_grpo  # noqa: E402
 import bench_sft  # noqa: E402
 import common  # noqa: E402
+
 from skyrl_cli.recipe.loader import load_recipe  # noqa: E402
 
 
@@ -98,9 +99,25 @@ def test_summaries_and_ratios():
 
 def test_sft_summary_and_arguments():
     runs = {
-        "skyrl": [{"curve": [(5.0, 0, 0.0), (50.0, 100, 0.45)], "tokens_per_s": 9000.0, "wall_s": 60.0, "peak_rss_bytes": 2**31, "load": {"median": 1.0}}],
-        "trl-default": [{"curve": [(9.0, 0, 0.0), (90.0, 100, 0.41)], "tokens_per_s": 3000.0, "wall_s": 99.0, "peak_rss_bytes": 2**30, "load": {"median": 1.0}}],
-    }  # fmt: skip
+        "skyrl": [
+            {
+                "curve": [(5.0, 0, 0.0), (50.0, 100, 0.45)],
+                "tokens_per_s": 9000.0,
+                "wall_s": 60.0,
+                "peak_rss_bytes": 2**31,
+                "load": {"median": 1.0},
+            }
+        ],
+        "trl-default": [
+            {
+                "curve": [(9.0, 0, 0.0), (90.0, 100, 0.41)],
+                "tokens_per_s": 3000.0,
+                "wall_s": 99.0,
+                "peak_rss_bytes": 2**30,
+                "load": {"median": 1.0},
+            }
+        ],
+    }
     rows = bench_sft.summarise(runs, target=0.4)
     assert [r["to_target_s"] for r in rows] == [50.0, 90.0]
     assert bench_sft.ratio_lines(rows) == [
@@ -123,11 +140,11 @@ def test_generation_window_from_orchestrator_events():
         return {"time": t, "step": step, "name": name, "process": process, "value": 0.0}
 
     raw = [
-        ev(10.0, 0, "eval/accuracy"),                # v0 evaluated: generation of batch 0 opens
-        ev(12.5, 1, "timing/wait_for_batch_s"),      # batch 0 written
-        ev(14.0, 1, "timing/sync_weights_s"),        # engines on v1
+        ev(10.0, 0, "eval/accuracy"),  # v0 evaluated: generation of batch 0 opens
+        ev(12.5, 1, "timing/wait_for_batch_s"),  # batch 0 written
+        ev(14.0, 1, "timing/sync_weights_s"),  # engines on v1
         ev(14.1, 1, "timing/wait_for_batch_s", "trainer"),  # the learner's own wait: not generation
-        ev(15.0, 2, "timing/wait_for_batch_s"),      # batch 1 written
-        ev(16.0, 2, "timing/sync_weights_s"),        # v2 synced, the run ended before batch 2
-    ]  # fmt: skip
+        ev(15.0, 2, "timing/wait_for_batch_s"),  # batch 1 written
+        ev(16.0, 2, "timing/sync_weights_s"),  # v2 synced, the run ended before batch 2
+    ]
     assert skyrl_side.generation_seconds(raw) == [2.5, 1.0]

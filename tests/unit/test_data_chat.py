@@ -61,8 +61,12 @@ def test_prompt_completion_rows_become_messages():
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"},
     ]
-    conv = to_messages({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
-                        "completion": [{"role": "assistant", "content": "a"}]})  # fmt: skip
+    conv = to_messages(
+        {
+            "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+            "completion": [{"role": "assistant", "content": "a"}],
+        }
+    )
     assert [m["role"] for m in conv] == ["system", "user", "assistant"]
     assert split_reference(conv) == (conv[:2], "a")
     with pytest.raises(ValueError):
@@ -82,7 +86,10 @@ def _write_all_formats(tmp_path, rows):
 
 
 def test_jsonl_parquet_and_hf_dataset_dirs_give_the_same_rows(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(5)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(5)
+    ]
     for path in _write_all_formats(tmp_path, rows):
         assert load_rows(path) == rows, path
         assert load_rows(path, limit=2) == rows[:2], path

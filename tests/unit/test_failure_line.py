@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from skyrl_contracts.errors import LaunchError
 from skyrl_cli.launch.supervisor import Supervisor, failure_message, telling_line
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
+from skyrl_contracts.errors import LaunchError
 
 # vLLM's API server refusing --max-model-len above the model's max_position_embeddings: its configs
 # are pydantic dataclasses, so the ValueError arrives as a ValidationError with a detail line.
@@ -80,7 +80,9 @@ def test_vllm_config_error_gives_its_detail_line():
 
 def test_the_root_cause_wins_over_a_line_that_points_at_it():
     line = telling_line(VLLM_ENGINE_CORE_ERROR)
-    assert line.startswith("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`")
+    assert line.startswith(
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`"
+    )
     assert len(line) <= 300 and "RuntimeError" not in line
 
 
@@ -92,8 +94,11 @@ def test_a_trainer_rank_error_behind_torchrun():
 
 @pytest.mark.parametrize(
     "tail",
-    ["", "usage: serve.py [-h]\nserve.py: error: unrecognized arguments: --bad\n",
-     "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.\n"],
+    [
+        "",
+        "usage: serve.py [-h]\nserve.py: error: unrecognized arguments: --bad\n",
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.\n",
+    ],
     ids=["empty", "no-exception", "only-a-pointer"],
 )
 def test_no_telling_line(tail):
@@ -108,15 +113,21 @@ def test_failure_message_reads_only_the_last_start(tmp_path):
     )
     message = failure_message("engine-0 exited before it was ready (exit code 1)", log)
     first, second = message.splitlines()
-    assert first.startswith("engine-0 exited before it was ready (exit code 1): ValidationError: ModelConfig: User-specified")
+    assert first.startswith(
+        "engine-0 exited before it was ready (exit code 1): ValidationError: ModelConfig: User-specified"
+    )
     assert second == f"log: {log}"
-    log.write_text("\n=== 2025-12-03 10:05:00 start: x\nValueError: old\n\n=== 2025-12-03 10:06:00 start: x\nbad flag\n")
+    log.write_text(
+        "\n=== 2025-12-03 10:05:00 start: x\nValueError: old\n\n=== 2025-12-03 10:06:00 start: x\nbad flag\n"
+    )
     assert failure_message("svc died (exit code 2)", log) == f"svc died (exit code 2); log: {log}\nbad flag"
 
 
 def test_an_engine_that_raises_before_it_is_ready_is_reported_by_its_error(tmp_path):
     argv = (sys.executable, "-c", "raise ValueError('max_model_len (512) is greater than the model allows (256)')")
-    spec = ProcessSpec(name="engine-0", role="engine", argv=argv, ready=ReadinessCheck(url="http://127.0.0.1:9/health", timeout_s=10))
+    spec = ProcessSpec(
+        name="engine-0", role="engine", argv=argv, ready=ReadinessCheck(url="http://127.0.0.1:9/health", timeout_s=10)
+    )
     with Supervisor(tmp_path) as sup:
         sup.start(spec)
         with pytest.raises(LaunchError) as info:

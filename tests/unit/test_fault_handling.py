@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_contracts.errors import LaunchError, UsageError
 from skyrl_cli.launch.supervisor import Supervisor, exit_description, failure_message, killed_rank
 from skyrl_cli.plan.model import ProcessSpec
+from skyrl_contracts.errors import LaunchError, UsageError
 from skyrl_contracts.rundir import RunDir
 
 # torchrun's summary when rank 1 was SIGKILLed (torch 2.13), after rank 0's consequential error.
@@ -140,7 +140,9 @@ def test_a_run_directory_through_a_file_is_a_usage_error(tmp_path):
 
     (tmp_path / "file").write_text("")
     recipe = Recipe.model_validate({"name": "x", "model": {"init": {}}, "data": {"task": "addition"}, "sft": {}})
-    with pytest.raises(UsageError, match=r"^run directory .*/file/run is not writable: .*/file/run/logs: Not a directory$"):
+    with pytest.raises(
+        UsageError, match=r"^run directory .*/file/run is not writable: .*/file/run/logs: Not a directory$"
+    ):
         RunDir(tmp_path / "file/run").prepare(recipe)
 
 

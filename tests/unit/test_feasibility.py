@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_contracts.errors import RecipeError, UsageError
 from skyrl_cli.plan.build import build_plan
-from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.feasibility import assert_feasible, feasibility_problems, load_feasible_recipe
+from skyrl_cli.plan.machine import MachineFacts, detect_machine
+from skyrl_contracts.errors import RecipeError, UsageError
 from skyrl_contracts.schema import Recipe
 
 NO_CORES = MachineFacts(cpu_cores=())
@@ -43,12 +43,16 @@ def test_no_cpu_cores_left(tmp_path):
 
 def test_engines_share_the_gpus_left_by_the_trainer():
     r = recipe(trainer={"ranks": 2, "gpus": [2, 3]}, inference={"engines": 3, "tensor_parallel": 1})
-    assert messages(r, GPU4) == ["trainer.ranks: the layout needs 5 GPUs (2 trainer ranks + 3 for 3 engines) but 4 are visible"]
+    assert messages(r, GPU4) == [
+        "trainer.ranks: the layout needs 5 GPUs (2 trainer ranks + 3 for 3 engines) but 4 are visible"
+    ]
 
 
 def test_a_cpu_trainer_keeps_the_engines_on_cpu_even_with_gpus():
     r = recipe(trainer={"device": "cpu"}, inference={"tensor_parallel": 2})
-    assert messages(r, GPU4) == ['inference.tensor_parallel: 2 GPUs per engine, but the engines run on CPU (trainer.device = "cpu")']
+    assert messages(r, GPU4) == [
+        'inference.tensor_parallel: 2 GPUs per engine, but the engines run on CPU (trainer.device = "cpu")'
+    ]
 
 
 def test_remote_engines_need_no_local_devices():

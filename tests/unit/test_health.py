@@ -5,9 +5,10 @@ from __future__ import annotations
 import io
 
 import pytest
-
 from rich.console import Console
 
+from skyrl_cli.metrics.live import LiveView
+from skyrl_cli.metrics.summary import summarize
 from skyrl_contracts.events import MetricEvent
 from skyrl_contracts.health import (
     SYNC_GAP,
@@ -17,8 +18,6 @@ from skyrl_contracts.health import (
     sync_gap_floor,
     sync_gap_health,
 )
-from skyrl_cli.metrics.live import LiveView
-from skyrl_cli.metrics.summary import summarize
 
 
 def event(step: int, name: str, value: float, process: str = "trainer") -> MetricEvent:

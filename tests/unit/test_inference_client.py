@@ -21,7 +21,11 @@ def choice(index, tokens, logprobs, spans, finish="length"):
         "finish_reason": finish,
         "token_ids": tokens,
         "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans],
-        "logprobs": {"content": [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []} for t, lp in zip(tokens, logprobs)]},
+        "logprobs": {
+            "content": [
+                {"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []} for t, lp in zip(tokens, logprobs)
+            ]
+        },
     }
 
 
@@ -54,8 +58,20 @@ def test_missing_logprobs_is_an_error():
 def test_parse_completions_in_prompt_order_without_spans():
     body = {
         "choices": [
-            {"index": 1, "text": "7", "token_ids": [7, 2], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.3, -0.1]}},
-            {"index": 0, "text": "56", "token_ids": [5, 6], "finish_reason": "length", "logprobs": {"token_logprobs": [-0.2, -0.4]}},
+            {
+                "index": 1,
+                "text": "7",
+                "token_ids": [7, 2],
+                "finish_reason": "stop",
+                "logprobs": {"token_logprobs": [-0.3, -0.1]},
+            },
+            {
+                "index": 0,
+                "text": "56",
+                "token_ids": [5, 6],
+                "finish_reason": "length",
+                "logprobs": {"token_logprobs": [-0.2, -0.4]},
+            },
         ]
     }
     first, second = parse_completions_response(body)

@@ -113,8 +113,18 @@ def test_coefficient_of_variation():
 
 def test_engine_events_aggregate_over_engines():
     a0, b0 = snapshot(now=100.0), snapshot(now=100.0)
-    a1 = later(time=102.0, running=2.0, kv_cache_usage=0.5, generation_tokens=1200.0, prefix_queries=500.0, prefix_hits=350.0)
-    b1 = later(time=102.0, running=6.0, kv_cache_usage=0.1, generation_tokens=1600.0, spec_drafts=20.0, spec_draft_tokens=60.0, spec_accepted_tokens=45.0)
+    a1 = later(
+        time=102.0, running=2.0, kv_cache_usage=0.5, generation_tokens=1200.0, prefix_queries=500.0, prefix_hits=350.0
+    )
+    b1 = later(
+        time=102.0,
+        running=6.0,
+        kv_cache_usage=0.1,
+        generation_tokens=1600.0,
+        spec_drafts=20.0,
+        spec_draft_tokens=60.0,
+        spec_accepted_tokens=45.0,
+    )
     events = engine_events({0: a1, 1: b1}, {0: Interval.between(a0, a1), 1: Interval.between(b0, b1)})
     assert events["engine/running"] == 8.0
     assert events["engine/kv_cache_usage"] == pytest.approx(0.3)

@@ -51,7 +51,9 @@ def test_cpu_engines_one_core_each_and_lean_flags():
         assert "--enforce-eager" in s.argv and "--enable-scale-out" in s.argv
         assert flag(s.argv, "--kv-cache-memory-bytes") == str(64 * 2**20)
         # the model runs in the EngineCore process: no third process importing torch and vLLM
-        assert flag(s.argv, "--distributed-executor-backend") == "uni" and s.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert (
+            flag(s.argv, "--distributed-executor-backend") == "uni" and s.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        )
         assert flag(s.argv, "--logprobs-mode") == "processed_logprobs"
         assert flag(s.argv, "--served-model-name") == SERVED_MODEL_NAME
         assert flag(s.argv, "--dtype") == "bfloat16"
@@ -88,7 +90,9 @@ def test_gpu_engines_tensor_parallel_placement():
 
 def test_gpu_engines_get_the_weight_transfer_engine_only_for_the_nccl_sync():
     for mode in ("disk", "lora"):
-        assert all("--weight-transfer-config" not in s.argv for s in engine_specs(recipe(), GPU, [1, 2], "m", weight_sync=mode))
+        assert all(
+            "--weight-transfer-config" not in s.argv for s in engine_specs(recipe(), GPU, [1, 2], "m", weight_sync=mode)
+        )
     for s in engine_specs(recipe(), GPU, [1, 2], "m", weight_sync="nccl"):
         assert json.loads(flag(s.argv, "--weight-transfer-config")) == {"backend": "nccl"}
 
@@ -100,7 +104,11 @@ def test_port_count_must_match():
 
 def test_speculative_config():
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4)
-    assert json.loads(speculative_config_json(ngram)) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    assert json.loads(speculative_config_json(ngram)) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+    }
     eagle = SpeculativeConfig(method="eagle", num_speculative_tokens=2, model="/d")
     assert json.loads(speculative_config_json(eagle)) == {"method": "eagle", "num_speculative_tokens": 2, "model": "/d"}
     (spec, _) = engine_specs(recipe(speculative={"method": "ngram"}), CPU, [1, 2], "m")
@@ -160,7 +168,12 @@ def test_engine_dtype_follows_what_the_cpu_does_natively(device, cpu_bf16, model
 
 @pytest.mark.parametrize(
     "flags, native",
-    [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True), ("avx512f amx_bf16 amx_tile", True), ("avx512f", False)],
+    [
+        ("fpu avx2 fma", False),
+        ("avx2 avx512f avx512_bf16", True),
+        ("avx512f amx_bf16 amx_tile", True),
+        ("avx512f", False),
+    ],
 )
 def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
     from skyrl_cli.plan.machine import cpu_has_native_bf16

@@ -12,15 +12,21 @@ from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.feasibility import feasibility_problems
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.weight_sync import nccl_obstacles, select_weight_sync
-from skyrl_contracts.schema import Recipe
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.schema import Recipe
 
-CPU2 = MachineFacts(cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)])
+CPU2 = MachineFacts(
+    cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)]
+)
 
 
 def recipe(quantization: dict | None = None, **sections) -> Recipe:
-    base = {"name": "t", "model": {"init": {"hidden_size": 64, "heads": 2}, "tokenizer": "char"},
-            "data": {"task": "addition"}, "rl": {"init_from": "/models/policy"}}  # fmt: skip
+    base = {
+        "name": "t",
+        "model": {"init": {"hidden_size": 64, "heads": 2}, "tokenizer": "char"},
+        "data": {"task": "addition"},
+        "rl": {"init_from": "/models/policy"},
+    }
     if quantization is not None:
         base["quantization"] = quantization
     return Recipe.model_validate({**base, **sections})
@@ -34,8 +40,15 @@ def test_the_engines_start_from_the_int4_export_of_the_initial_policy(tmp_path):
     plan = build_plan(recipe({"int4_rollouts": True, "group_size": 32}), "rl", tmp_path / "run", machine=CPU2)
     setup, *rest = plan.processes
     assert setup.kind == "setup" and setup.role == "quantizer"
-    assert setup.argv[1:] == ("-m", "backends.quant.export", "--run-dir", str(tmp_path / "run"),
-                              "--model", "/models/policy", "--setup")  # fmt: skip
+    assert setup.argv[1:] == (
+        "-m",
+        "backends.quant.export",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--model",
+        "/models/policy",
+        "--setup",
+    )
     assert all(p.kind != "setup" for p in rest)
     int4 = str(RunDir(tmp_path / "run").int4)
     engines = [p for p in rest if p.role == "engine"]
@@ -67,7 +80,9 @@ def test_int4_rollouts_never_take_the_nccl_path():
 
 def test_int4_rollouts_need_an_rl_stage_and_qat_in_rl_is_accepted():
     sft_only = recipe({"int4_rollouts": True}, rl=None, sft={})
-    assert messages(sft_only) == ["quantization.int4_rollouts: INT4 rollouts act in the RL stage and the recipe has no [rl] section"]
+    assert messages(sft_only) == [
+        "quantization.int4_rollouts: INT4 rollouts act in the RL stage and the recipe has no [rl] section"
+    ]
     assert messages(recipe({"int4_rollouts": True, "int4_qat": True})) == []
     # an RL-only recipe: quantization.init_from = "sft" is skyrl quantize's source, not the rollouts'
     assert messages(recipe({"int4_rollouts": True})) == []
@@ -75,5 +90,8 @@ def test_int4_rollouts_need_an_rl_stage_and_qat_in_rl_is_accepted():
 
 @pytest.mark.parametrize("group", [32, 64])
 def test_a_group_size_the_policy_cannot_take_is_refused(group):
-    r = recipe({"int4_rollouts": True, "group_size": group}, model={"init": {"hidden_size": 48, "heads": 2}, "tokenizer": "char"})
+    r = recipe(
+        {"int4_rollouts": True, "group_size": group},
+        model={"init": {"hidden_size": 48, "heads": 2}, "tokenizer": "char"},
+    )
     assert any(m.startswith("quantization.group_size:") for m in messages(r))

@@ -24,7 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER_MAY_IMPORT = {"backends.inference.weight_sync"}
 CONTRACT_THIRD_PARTY = {"pydantic"}
 DRIVER_LAYERS = [
-    ("skyrl_cli.recipe", ("skyrl_cli.plan", "skyrl_cli.launch", "skyrl_cli.engines", "skyrl_cli.commands", "skyrl_cli.app")),
+    (
+        "skyrl_cli.recipe",
+        ("skyrl_cli.plan", "skyrl_cli.launch", "skyrl_cli.engines", "skyrl_cli.commands", "skyrl_cli.app"),
+    ),
     ("skyrl_cli.plan", ("skyrl_cli.launch", "skyrl_cli.engines", "skyrl_cli.commands", "skyrl_cli.app")),
     ("skyrl_cli.metrics", ("skyrl_cli.plan", "skyrl_cli.launch", "skyrl_cli.commands", "skyrl_cli.app")),
     ("skyrl_cli.launch", ("skyrl_cli.engines", "skyrl_cli.commands", "skyrl_cli.app")),
@@ -63,14 +66,22 @@ def layering_violations(root: Path) -> list[str]:
         top = name.split(".")[0]
         if top not in sys.stdlib_module_names and top not in CONTRACT_THIRD_PARTY | {"skyrl_contracts", "__future__"}:
             bad.append(f"{where} imports {name} (contracts: the standard library and pydantic only)")
-    bad += [f"{where} imports {name} (workers import only the contracts)"
-            for where, name in imports_of(root, "backends") if within(name, "skyrl_cli")]  # fmt: skip
+    bad += [
+        f"{where} imports {name} (workers import only the contracts)"
+        for where, name in imports_of(root, "backends")
+        if within(name, "skyrl_cli")
+    ]
     for where, name in imports_of(root, "skyrl_cli"):
         if within(name, "backends") and not any(within(name, m) or within(m, name) for m in DRIVER_MAY_IMPORT):
-            bad.append(f"{where} imports {name} (the driver starts workers; it imports only {sorted(DRIVER_MAY_IMPORT)})")
+            bad.append(
+                f"{where} imports {name} (the driver starts workers; it imports only {sorted(DRIVER_MAY_IMPORT)})"
+            )
     for package, forbidden in DRIVER_LAYERS:
-        bad += [f"{where} imports {name} ({package} is below it)"
-                for where, name in imports_of(root, package) if any(within(name, f) for f in forbidden)]  # fmt: skip
+        bad += [
+            f"{where} imports {name} ({package} is below it)"
+            for where, name in imports_of(root, package)
+            if any(within(name, f) for f in forbidden)
+        ]
     return bad
 
 
@@ -88,7 +99,11 @@ def test_the_light_module_the_driver_may_import_is_light():
 @pytest.mark.parametrize(
     "path, source, complaint",
     [
-        ("backends/train/x.py", "def f():\n    from skyrl_cli.launch.supervisor import Supervisor\n", "workers import only"),
+        (
+            "backends/train/x.py",
+            "def f():\n    from skyrl_cli.launch.supervisor import Supervisor\n",
+            "workers import only",
+        ),
         ("skyrl_contracts/x.py", "import torch\n", "contracts: the standard library"),
         ("skyrl_cli/commands/x.py", "from backends.train.sft import main\n", "the driver starts workers"),
         ("skyrl_cli/plan/x.py", "from skyrl_cli.launch import supervisor\n", "skyrl_cli.plan is below it"),
@@ -104,9 +119,11 @@ def test_a_wrong_import_is_caught(tmp_path, path, source, complaint):
 
 
 def test_an_allowed_import_is_not_flagged(tmp_path):
-    for path, source in (("skyrl_cli/engines/x.py", "from backends.inference.weight_sync import sync_weights\n"),
-                         ("backends/x.py", "from skyrl_contracts.rundir import RunDir\n"),
-                         ("skyrl_contracts/x.py", "import json\nfrom pydantic import BaseModel\n")):  # fmt: skip
+    for path, source in (
+        ("skyrl_cli/engines/x.py", "from backends.inference.weight_sync import sync_weights\n"),
+        ("backends/x.py", "from skyrl_contracts.rundir import RunDir\n"),
+        ("skyrl_contracts/x.py", "import json\nfrom pydantic import BaseModel\n"),
+    ):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(source)
     assert layering_violations(tmp_path) == []

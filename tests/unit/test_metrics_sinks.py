@@ -8,12 +8,12 @@ import sys
 
 from rich.console import Console
 
-from skyrl_contracts.events import EventWriter, MetricEvent
 from skyrl_cli.metrics.follow import EventFollower, FollowedRun, follow_events
 from skyrl_cli.metrics.live import LiveView, MetricBoard
 from skyrl_cli.metrics.sinks import JsonLinesSink, Sink, SinkGroup, SummaryPrinter
 from skyrl_cli.metrics.summary import summarize, write_summary
 from skyrl_cli.metrics.wandb_sink import WandbSink, wandb_sink_for
+from skyrl_contracts.events import EventWriter, MetricEvent
 from skyrl_contracts.schema import WandbConfig
 
 
@@ -63,7 +63,9 @@ def test_wandb_import_failure_disables_the_sink(monkeypatch):
     group.start()
     group.handle([event(1, "train/loss", 1.0)])
     group.close(None)
-    assert len(warnings) == 1 and warnings[0].startswith("metrics sink 'wandb' failed and is disabled: ModuleNotFoundError")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "metrics sink 'wandb' failed and is disabled: ModuleNotFoundError"
+    )
 
 
 def test_wandb_disabled_mode_makes_no_sink():
@@ -93,13 +95,15 @@ def test_json_lines_sink_prints_events_then_summary():
 
 def test_board_rows_only_for_seen_metrics_and_mean_over_processes():
     board = MetricBoard()
-    board.update([
-        event(0, "progress/total_steps", 100),
-        event(3, "train/loss", 0.25),
-        event(5, "train/loss", 0.125),
-        event(1, "engine/kv_cache_usage", 0.2, process="engine-0"),
-        event(1, "engine/kv_cache_usage", 0.4, process="engine-1"),
-    ])
+    board.update(
+        [
+            event(0, "progress/total_steps", 100),
+            event(3, "train/loss", 0.25),
+            event(5, "train/loss", 0.125),
+            event(1, "engine/kv_cache_usage", 0.2, process="engine-0"),
+            event(1, "engine/kv_cache_usage", 0.4, process="engine-1"),
+        ]
+    )
     assert board.total == 100 and board.step == 5
     assert board.rows() == [("loss", "0.1250"), ("KV-cache use", "30%")]
 
@@ -128,7 +132,11 @@ def test_summary_keeps_last_values_and_throughput():
 
 
 def test_summary_steps_count_an_evaluation_after_the_last_logged_train_step():
-    events = [event(470, "train/loss", 0.1, t=1.0), event(475, "eval/accuracy", 0.54, t=2.0), event(480, "engine/running", 3.0, t=3.0)]
+    events = [
+        event(470, "train/loss", 0.1, t=1.0),
+        event(475, "eval/accuracy", 0.54, t=2.0),
+        event(480, "engine/running", 3.0, t=3.0),
+    ]
     assert summarize(events)["steps"] == 475
 
 

@@ -17,27 +17,47 @@ from pathlib import Path
 import httpx
 import pytest
 
-from skyrl_contracts.exchange import RunExchange
-from backends.inference.nccl_sync import NcclEngineWeights, NcclPublisher, _FanOutClient, make_weight_syncer, open_weight_syncer
+from backends.inference.nccl_sync import (
+    NcclEngineWeights,
+    NcclPublisher,
+    _FanOutClient,
+    make_weight_syncer,
+    open_weight_syncer,
+)
 from backends.inference.weight_sync import WeightSyncError, read_current_weights
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.rl import plan_rl
 from skyrl_cli.plan.weight_sync import nccl_obstacles, select_weight_sync, weight_sync_problems
+from skyrl_contracts.exchange import RunExchange
 from skyrl_contracts.schema import Recipe
 
 URLS = ["http://e0:1", "http://e1:1"]
-GPU8 = MachineFacts(cpu_cores=tuple(range(16)), gpus=tuple(range(8)), python="py", torch_extensions_dir="/ext",
-                    port_finder=lambda n: [30000 + i for i in range(n)])  # fmt: skip
-CPU2 = MachineFacts(cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [30000 + i for i in range(n)])
+GPU8 = MachineFacts(
+    cpu_cores=tuple(range(16)),
+    gpus=tuple(range(8)),
+    python="py",
+    torch_extensions_dir="/ext",
+    port_finder=lambda n: [30000 + i for i in range(n)],
+)
+CPU2 = MachineFacts(
+    cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [30000 + i for i in range(n)]
+)
 
 
-def recipe(weight_sync: str = "auto", lora: bool = False, zero_stage: int = 2, urls: tuple = (), device: str = "auto") -> Recipe:
+def recipe(
+    weight_sync: str = "auto", lora: bool = False, zero_stage: int = 2, urls: tuple = (), device: str = "auto"
+) -> Recipe:
     model = {"path": "/models/m", **({"lora": {"rank": 8}} if lora else {})}
-    return Recipe.model_validate({
-        "name": "t", "model": model, "data": {"task": "addition"}, "rl": {"init_from": "/models/m"},
-        "inference": {"engines": 2, "weight_sync": weight_sync, "urls": list(urls)},
-        "trainer": {"ranks": 4, "zero_stage": zero_stage, "device": device},
-    })  # fmt: skip
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": model,
+            "data": {"task": "addition"},
+            "rl": {"init_from": "/models/m"},
+            "inference": {"engines": 2, "weight_sync": weight_sync, "urls": list(urls)},
+            "trainer": {"ranks": 4, "zero_stage": zero_stage, "device": device},
+        }
+    )
 
 
 # ------------------------------------------------------------------------------ selection
@@ -94,7 +114,9 @@ def test_the_gpu_plan_records_nccl_and_wires_both_sides(monkeypatch, tmp_path):
     assert _flag(trainer.argv, "--engine-urls") == ",".join(plan.engine_urls)
     assert _flag(trainer.argv, "--tensor-parallel") == "1"
     host, port = _flag(trainer.argv, "--nccl-address").rsplit(":", 1)
-    used = {p for proc in plan.processes for p in proc.ports} | {int(_flag(trainer.argv, "--rdzv-endpoint").rsplit(":")[1])}
+    used = {p for proc in plan.processes for p in proc.ports} | {
+        int(_flag(trainer.argv, "--rdzv-endpoint").rsplit(":")[1])
+    }
     assert host == "127.0.0.1" and int(port) not in used  # its own free port
     # The group's members sit on disjoint GPUs: NCCL refuses two ranks on one device.
     assert set(trainer.devices).isdisjoint({d for e in engines for d in e.devices})
@@ -151,7 +173,9 @@ class Engines:
 def test_engines_are_told_their_ranks_after_the_sender():
     engines = Engines()
     client = _FanOutClient(URLS, tensor_parallel=2, transport=httpx.MockTransport(engines))
-    client.init_weight_transfer_engine({"master_address": "10.0.0.1", "master_port": 5, "rank_offset": 1, "world_size": 5})
+    client.init_weight_transfer_engine(
+        {"master_address": "10.0.0.1", "master_port": 5, "rank_offset": 1, "world_size": 5}
+    )
     offsets = {e: body["init_info"]["rank_offset"] for e, _, body in engines.calls}
     assert offsets == {URLS[0]: 1, URLS[1]: 3}  # engine i's tp workers: 1 + i*tp .. (i+1)*tp
     assert {body["init_info"]["world_size"] for _, _, body in engines.calls} == {5}
@@ -270,7 +294,10 @@ def test_no_nccl_syncer_on_cpu_and_the_engines_are_never_asked_to_join(caplog):
     with caplog.at_level("WARNING", logger="backends.inference.nccl_sync"):
         assert make_weight_syncer("cuda", URLS, 1, None, "127.0.0.1", 1, transport) is None
     (line,) = [r.getMessage() for r in caplog.records if r.name == "backends.inference.nccl_sync"]
-    assert line == "NCCL weight transfer unavailable (CUDA is not available to the trainer); weights go through the disk path"
+    assert (
+        line
+        == "NCCL weight transfer unavailable (CUDA is not available to the trainer); weights go through the disk path"
+    )
     assert engines.calls == []
 
 
@@ -285,11 +312,14 @@ def test_a_group_that_fails_to_form_falls_back_with_one_line(monkeypatch, caplog
     engines = Engines()
     (port,) = find_free_ports(1)
     with caplog.at_level("WARNING", logger="backends.inference.nccl_sync"):
-        syncer = make_weight_syncer("cuda", URLS, 1, torch.nn.Linear(2, 2), "127.0.0.1", port, httpx.MockTransport(engines))
+        syncer = make_weight_syncer(
+            "cuda", URLS, 1, torch.nn.Linear(2, 2), "127.0.0.1", port, httpx.MockTransport(engines)
+        )
     assert syncer is None
     (line,) = [r.getMessage() for r in caplog.records if r.name == "backends.inference.nccl_sync"]
     assert line.startswith("NCCL weight transfer unavailable (") and line.endswith("; weights go through the disk path")
     joined = {e: body["init_info"] for e, p, body in engines.calls if p == "/init_weight_transfer_engine"}
     assert {e: (i["rank_offset"], i["world_size"], i["master_port"]) for e, i in joined.items()} == {
-        URLS[0]: (1, 3, port), URLS[1]: (2, 3, port)
+        URLS[0]: (1, 3, port),
+        URLS[1]: (2, 3, port),
     }

@@ -35,7 +35,13 @@ def test_locks_made_during_a_run_are_cleared_after_it(tmp_path):
 def test_the_supervisor_clears_them_around_a_process_that_builds_ops(tmp_path):
     ext = tmp_path / "ext"
     stale = lock(ext, "shm_comm", 3600)
-    spec = ProcessSpec(name="job", role="trainer", kind="job", argv=(sys.executable, "-c", "pass"), env={"TORCH_EXTENSIONS_DIR": str(ext)})
+    spec = ProcessSpec(
+        name="job",
+        role="trainer",
+        kind="job",
+        argv=(sys.executable, "-c", "pass"),
+        env={"TORCH_EXTENSIONS_DIR": str(ext)},
+    )
     with Supervisor(tmp_path / "run") as supervisor:
         supervisor.start(spec)
         assert not stale.exists()

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from backends.data.files import hold_out, load_rows
-from skyrl_contracts.errors import RecipeError
 from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.recipe.validate import module_findable
+from skyrl_contracts.errors import RecipeError
 
 REPO = Path(__file__).resolve().parents[2]
 TASK = REPO / "recipes" / "own_task"

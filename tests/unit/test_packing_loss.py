@@ -39,9 +39,15 @@ def model():
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=64, max_position_embeddings=64, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).double()  # float64: compare layouts far below float32 noise
 
 

@@ -4,19 +4,32 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_contracts.errors import UsageError
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.machine import MachineFacts, detect_machine, find_free_ports
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 
-CPU2 = MachineFacts(cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)])
-GPU4 = MachineFacts(cpu_cores=tuple(range(16)), gpus=(0, 1, 2, 3), python="py", torch_extensions_dir="/ext",
-                    port_finder=lambda n: [29500 + i for i in range(n)])  # fmt: skip
+CPU2 = MachineFacts(
+    cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)]
+)
+GPU4 = MachineFacts(
+    cpu_cores=tuple(range(16)),
+    gpus=(0, 1, 2, 3),
+    python="py",
+    torch_extensions_dir="/ext",
+    port_finder=lambda n: [29500 + i for i in range(n)],
+)
 
 
 def recipe(**trainer) -> Recipe:
     return Recipe.model_validate(
-        {"name": "t", "model": {"init": {}, "tokenizer": "char"}, "data": {"task": "addition"}, "sft": {}, "trainer": trainer}
+        {
+            "name": "t",
+            "model": {"init": {}, "tokenizer": "char"},
+            "data": {"task": "addition"},
+            "sft": {},
+            "trainer": trainer,
+        }
     )
 
 
@@ -26,9 +39,23 @@ def test_cpu_plan_is_one_torchrun_job(tmp_path):
     (trainer,) = plan.processes
     assert trainer.kind == "job" and trainer.role == "trainer" and trainer.name == "trainer"
     assert trainer.argv == (
-        "py", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0",
-        "--rdzv-endpoint", "127.0.0.1:29500", "-m", "backends.train.sft", "--run-dir", str(tmp_path / "run"), "--resume",
-    )  # fmt: skip
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--rdzv-endpoint",
+        "127.0.0.1:29500",
+        "-m",
+        "backends.train.sft",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--resume",
+    )
     assert trainer.env["OMP_NUM_THREADS"] == "1"
     assert trainer.env["DS_ACCELERATOR"] == "cpu" and trainer.env["TORCH_EXTENSIONS_DIR"] == "/ext"
     assert trainer.env["HF_HUB_OFFLINE"] == "1" and "CUDA_VISIBLE_DEVICES" not in trainer.env
@@ -53,7 +80,10 @@ def test_gpu_plan_owns_its_gpus(tmp_path):
 
 def test_a_recipe_built_in_code_gets_the_loaders_feasibility_checks(tmp_path):
     # The loader reports these first, as file:line problems; the planner only re-asserts them.
-    with pytest.raises(UsageError, match=r"^trainer\.ranks: the layout needs 8 GPUs \(8 trainer ranks \+ 0 for 0 engines\) but 4 are visible$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^trainer\.ranks: the layout needs 8 GPUs \(8 trainer ranks \+ 0 for 0 engines\) but 4 are visible$",
+    ):
         build_plan(recipe(ranks=8), "sft", tmp_path, machine=GPU4)
     with pytest.raises(UsageError, match=r"^trainer\.device"):
         build_plan(recipe(device="cuda"), "sft", tmp_path, machine=CPU2)
@@ -72,7 +102,9 @@ def test_multi_node_uses_the_recipe_rendezvous(tmp_path):
 
 
 def test_plan_needs_the_stage(tmp_path):
-    r = Recipe.model_validate({"name": "t", "model": {"init": {}, "tokenizer": "char"}, "data": {"task": "addition"}, "rl": {}})
+    r = Recipe.model_validate(
+        {"name": "t", "model": {"init": {}, "tokenizer": "char"}, "data": {"task": "addition"}, "rl": {}}
+    )
     with pytest.raises(UsageError, match="no \\[sft\\] section"):
         build_plan(r, "sft", tmp_path, machine=CPU2)
 

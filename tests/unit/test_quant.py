@@ -81,12 +81,16 @@ def test_targets_select_linear_layers_and_never_the_head(tok):
     every = fake_quant.target_layers(model, QuantizationConfig())
     assert len(every) == 2 * len(LLAMA_LINEARS) and "lm_head" not in every
     assert all(name.split(".")[-1] in LLAMA_LINEARS for name in every)
-    some = fake_quant.target_layers(model, QuantizationConfig(targets=("q_proj", "mlp.down_proj", "lm_head", "embed_tokens")))
+    some = fake_quant.target_layers(
+        model, QuantizationConfig(targets=("q_proj", "mlp.down_proj", "lm_head", "embed_tokens"))
+    )
     assert sorted(some) == [f"model.layers.{i}.{n}" for i in (0, 1) for n in ("mlp.down_proj", "self_attn.q_proj")]
     assert sorted(fake_quant.target_layers(model, QuantizationConfig(targets=("layers.1.mlp",)))) == [
         f"model.layers.1.mlp.{n}" for n in ("down_proj", "gate_proj", "up_proj")
     ]
-    assert not fake_quant.target_layers(model, QuantizationConfig(targets=("proj", "layers.2")))  # whole name parts only
+    assert not fake_quant.target_layers(
+        model, QuantizationConfig(targets=("proj", "layers.2"))
+    )  # whole name parts only
     with pytest.raises(ValueError, match="select no Linear layer"):
         fake_quant.prepare_qat(model, QuantizationConfig(targets=("nope",)))
 
@@ -124,8 +128,13 @@ def read_export(out_dir):
     from safetensors.torch import load_file
 
     state = load_file(out_dir / "model.safetensors")
-    shapes = {k[: -len(".weight_shape")]: torch.Size(v.tolist()) for k, v in state.items() if k.endswith(".weight_shape")}
-    return {n: (unpack_from_int32(state[f"{n}.weight_packed"], 4, s).to(torch.int8), state[f"{n}.weight_scale"]) for n, s in shapes.items()}
+    shapes = {
+        k[: -len(".weight_shape")]: torch.Size(v.tolist()) for k, v in state.items() if k.endswith(".weight_shape")
+    }
+    return {
+        n: (unpack_from_int32(state[f"{n}.weight_packed"], 4, s).to(torch.int8), state[f"{n}.weight_scale"])
+        for n, s in shapes.items()
+    }
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -155,7 +164,11 @@ def test_export_of_a_qat_model_equals_its_fake_quant_bit_for_bit(tmp_path, tok, 
         served = AutoModelForCausalLM.from_pretrained(tmp_path / "int4", dtype=torch.float32).eval()
         assert torch.equal(served(ids).logits, fake_logits)  # the export, decompressed by transformers
     qcfg = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]
-    assert (qcfg["format"], qcfg["quant_method"], qcfg["ignore"]) == ("pack-quantized", "compressed-tensors", ["lm_head"])
+    assert (qcfg["format"], qcfg["quant_method"], qcfg["ignore"]) == (
+        "pack-quantized",
+        "compressed-tensors",
+        ["lm_head"],
+    )
     assert qcfg["config_groups"]["group_0"]["weights"]["group_size"] == group_size
     assert (tmp_path / "int4" / "tokenizer.json").is_file() and 0 < report.size_ratio < 0.35
 
@@ -167,11 +180,15 @@ def test_ptq_export_equals_torchao_rtn_and_keeps_untargeted_layers(tmp_path, tok
     save_hf(tiny(tok, seed=3), tok, tmp_path / "src")
     export.export_rtn(tmp_path / "src", tmp_path / "int4", cfg)
     reference = tiny(tok, seed=3)
-    assert fake_quant.quantize_rtn(reference, cfg) == [f"model.layers.{i}.mlp.{n}" for i in (0, 1) for n in ("gate_proj", "up_proj", "down_proj")]
+    assert fake_quant.quantize_rtn(reference, cfg) == [
+        f"model.layers.{i}.mlp.{n}" for i in (0, 1) for n in ("gate_proj", "up_proj", "down_proj")
+    ]
     expected = fake_quant.int4_codes(reference)
     exported = read_export(tmp_path / "int4")
     assert sorted(exported) == sorted(expected)
-    assert all(torch.equal(exported[n][0], expected[n][0]) and torch.equal(exported[n][1], expected[n][1]) for n in expected)
+    assert all(
+        torch.equal(exported[n][0], expected[n][0]) and torch.equal(exported[n][1], expected[n][1]) for n in expected
+    )
     ignore = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]["ignore"]
     assert "lm_head" in ignore and "model.layers.0.self_attn.q_proj" in ignore
 

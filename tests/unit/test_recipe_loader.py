@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_contracts.errors import RecipeError
 from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.recipe.overrides import parse_override, parse_value
-from skyrl_contracts.schema import Recipe
 from skyrl_cli.recipe.validate import NOT_YET_IMPLEMENTED
+from skyrl_contracts.errors import RecipeError
+from skyrl_contracts.schema import Recipe
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
 
-MINIMAL = '''\
+MINIMAL = """\
 name = "t"
 
 [model]
@@ -24,7 +24,7 @@ task = "addition"
 
 [sft]
 steps = 10
-'''
+"""
 
 
 def problems(path, sets=(), gpu_count=0) -> list[str]:
@@ -57,7 +57,9 @@ def test_override_paths_use_toml_spelling():
 
 
 def test_overrides_apply_before_validation(minimal):
-    recipe = load_feasible_recipe(minimal, ["sft.steps=7", "data.task=reversal", "rl.async.max_staleness=5"], gpu_count=0)
+    recipe = load_feasible_recipe(
+        minimal, ["sft.steps=7", "data.task=reversal", "rl.async.max_staleness=5"], gpu_count=0
+    )
     assert recipe.sft.steps == 7
     assert recipe.data.task == "reversal"
     assert recipe.rl.async_.max_staleness == 5  # a new [rl] table is created
@@ -77,7 +79,9 @@ def test_override_below_a_value_is_refused(minimal):
 
 def test_all_problems_at_once_sorted_by_line(tmp_path):
     path = tmp_path / "r.toml"
-    path.write_text(MINIMAL.replace("steps = 10", "steps = 0\nwarmup_steps = -1\nlerning_rate = 1").replace('"addition"', '"x"'))
+    path.write_text(
+        MINIMAL.replace("steps = 10", "steps = 0\nwarmup_steps = -1\nlerning_rate = 1").replace('"addition"', '"x"')
+    )
     assert problems(path) == [
         f"{path}:7: data.task: Input should be 'addition' or 'reversal' (got \"x\")",
         f"{path}:10: sft.steps: Input should be greater than 0 (got 0)",
@@ -107,7 +111,9 @@ def test_paths_resolve_against_the_recipe_directory(tmp_path):
     (tmp_path / "data" / "train.jsonl").write_text("{}\n")
     (tmp_path / "model").mkdir()
     path = tmp_path / "r.toml"
-    path.write_text('name = "t"\n[model]\npath = "model"\n[data]\ntrain = "data/train.jsonl"\n[sft]\n[rl]\ninit_from = "sft"\n')
+    path.write_text(
+        'name = "t"\n[model]\npath = "model"\n[data]\ntrain = "data/train.jsonl"\n[sft]\n[rl]\ninit_from = "sft"\n'
+    )
     recipe = load_feasible_recipe(path, gpu_count=0)
     assert recipe.model.path == str(tmp_path / "model")
     assert recipe.data.train == str(tmp_path / "data" / "train.jsonl")
@@ -131,7 +137,9 @@ def test_layout_against_the_gpu_count(minimal):
         "--set: trainer.ranks: the layout needs 2 GPUs (2 trainer ranks + 0 for 0 engines) but 1 is visible"
     ]
     assert load_feasible_recipe(minimal, cuda, gpu_count=2).trainer.ranks == 2
-    assert problems(minimal, ["trainer.gpus=[3]"], gpu_count=2) == ["--set: trainer.gpus: GPU 3 does not exist (2 visible)"]
+    assert problems(minimal, ["trainer.gpus=[3]"], gpu_count=2) == [
+        "--set: trainer.gpus: GPU 3 does not exist (2 visible)"
+    ]
 
 
 def test_rl_sizes_that_cannot_work(minimal):

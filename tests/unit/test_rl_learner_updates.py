@@ -46,9 +46,16 @@ def tiny_model():
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=32, tie_word_embeddings=False, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -81,11 +88,15 @@ def learner_for(model, *, kind="ppo_clip", mini_batches=4, ratio="proximal", lr=
             "model": {"init": {"hidden_size": 32, "layers": 2, "heads": 2}, "tokenizer": "char"},
             "data": {"task": "addition"},
             "rl": {
-                "prompts_per_step": GROUPS, "samples_per_prompt": GROUP_SIZE, "max_new_tokens": RESPONSE_LEN,
-                "mini_batches": mini_batches, "loss": loss, "async": {"off_policy": {"token_is_cap": None}},
+                "prompts_per_step": GROUPS,
+                "samples_per_prompt": GROUP_SIZE,
+                "max_new_tokens": RESPONSE_LEN,
+                "mini_batches": mini_batches,
+                "loss": loss,
+                "async": {"off_policy": {"token_is_cap": None}},
             },
         }
-    )  # fmt: skip
+    )
     learner = Learner.__new__(Learner)  # no process group, no DeepSpeed: see TorchEngine
     learner.recipe, learner.rl = recipe, recipe.rl
     learner.updates = recipe.rl.mini_batches * recipe.rl.epochs
@@ -130,7 +141,9 @@ def test_the_four_loss_kinds_give_different_updates_with_four_mini_batches(start
     # dual_clip departs from ppo_clip only where a negative-advantage ratio passes c: a low c
     # makes that happen within four small updates
     extra = {"dual_clip": {"dual_clip_c": 1.05}}
-    params = {kind: trained(start, kind=kind, **extra.get(kind, {}))[0] for kind in ("ppo_clip", "dual_clip", "gspo", "cispo")}
+    params = {
+        kind: trained(start, kind=kind, **extra.get(kind, {}))[0] for kind in ("ppo_clip", "dual_clip", "gspo", "cispo")
+    }
     kinds = list(params)
     for i, a in enumerate(kinds):
         for b in kinds[i + 1 :]:

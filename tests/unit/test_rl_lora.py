@@ -10,7 +10,13 @@ import json
 import pytest
 
 from backends.inference import weight_sync
-from backends.inference.weight_sync import EngineAdapters, adapter_name, adapter_version, read_current_weights, retirable
+from backends.inference.weight_sync import (
+    EngineAdapters,
+    adapter_name,
+    adapter_version,
+    read_current_weights,
+    retirable,
+)
 from backends.rollout.client import Completion, RolloutClient, WeightSpan, adapter_spans
 from skyrl_cli.plan.inference import Machine, engine_specs, max_loras
 from skyrl_contracts.schema import Recipe
@@ -19,13 +25,20 @@ CPU = Machine(device="cpu", engine_cores=(0, 1), python="/venv/bin/python", cpu_
 
 
 def lora_recipe(staleness: int = 1, **lora) -> Recipe:
-    return Recipe.model_validate({
-        "name": "t", "model": {"path": "/models/m", "lora": {"rank": 8, **lora}}, "data": {"task": "addition"},
-        "rl": {"async": {"max_staleness": staleness}}, "inference": {"engines": 1},
-    })  # fmt: skip
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "/models/m", "lora": {"rank": 8, **lora}},
+            "data": {"task": "addition"},
+            "rl": {"async": {"max_staleness": staleness}},
+            "inference": {"engines": 1},
+        }
+    )
 
 
-@pytest.mark.parametrize(("async_mode", "staleness", "expected"), [(False, 3, 2), (True, 0, 2), (True, 1, 3), (True, 4, 6)])
+@pytest.mark.parametrize(
+    ("async_mode", "staleness", "expected"), [(False, 3, 2), (True, 0, 2), (True, 1, 3), (True, 4, 6)]
+)
 def test_max_loras_holds_every_version_that_can_be_live(async_mode, staleness, expected):
     recipe = lora_recipe(staleness)
     assert max_loras(recipe, async_mode) == expected
@@ -111,7 +124,9 @@ def peft_policy():
     from skyrl_contracts.schema import LoraConfig, TinyModelInit
 
     tokenizer = build_char_tokenizer("0123456789+=")
-    model = apply_lora(build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0), LoraConfig(rank=4))
+    model = apply_lora(
+        build_tiny_model(TinyModelInit(hidden_size=32, layers=1, heads=2), tokenizer, 0), LoraConfig(rank=4)
+    )
     with torch.no_grad():  # a non-zero adapter (peft starts B at 0)
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -138,7 +153,10 @@ def test_lora_export_holds_the_adapter_and_the_merged_model_only_on_request(tmp_
     files = {p.name for p in (tmp_path / "model").iterdir()}
     assert {"adapter", "tokenizer_config.json"} <= files
     assert ("model.safetensors" in files) == merge and ("config.json" in files) == merge
-    assert {p.name for p in (tmp_path / "model/adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in (tmp_path / "model/adapter").iterdir()} >= {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
     exporter.adapter(tmp_path / "version")  # what weights/v<k>/ holds: the adapter alone
     written = {p.name for p in (tmp_path / "version").iterdir()} - {"README.md"}  # peft's model card
     assert written == {"adapter_config.json", "adapter_model.safetensors"}

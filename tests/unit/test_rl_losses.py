@@ -184,8 +184,10 @@ def test_all_masked_micro_batch_gives_zero_with_graph():
     assert "train/ratio_max" not in metrics
 
 
-@pytest.mark.parametrize("estimator, expected", [("k1", [1.0, -1.0]), ("k2", [0.5, 0.5]),
-                                                  ("k3", [math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1])])
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [("k1", [1.0, -1.0]), ("k2", [0.5, 0.5]), ("k3", [math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1])],
+)
 def test_kl_estimators_by_hand(estimator, expected):
     lp = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-2.0, -1.0]])
@@ -196,8 +198,9 @@ def test_kl_loss_masked_and_scaled():
     lp = torch.tensor([[-1.0, -2.0, -5.0]], requires_grad=True)
     ref = torch.tensor([[-2.0, -1.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, m = kl_loss(lp, ref, mask, coef=0.1, estimator="k2", reduction="token_mean",
-                      normalizer=LossNormalizer.from_masks([mask]))
+    loss, m = kl_loss(
+        lp, ref, mask, coef=0.1, estimator="k2", reduction="token_mean", normalizer=LossNormalizer.from_masks([mask])
+    )
     assert loss.item() == pytest.approx(0.1 * 0.5)
     assert m["train/kl_ref"] == pytest.approx(0.5)
     loss.backward()
@@ -237,8 +240,9 @@ def test_sum_over_micro_batches_equals_whole_batch(kind, reduction):
         metrics: dict = {}
         for rows in torch.arange(6).split(sizes):
             loss, m = policy_loss(lp[rows], old[rows], adv[rows], mask[rows], cfg, norm, is_weights=isw[rows])
-            kl, km = kl_loss(lp[rows], ref[rows], mask[rows], coef=0.05, estimator="k3",
-                             reduction=reduction, normalizer=norm)
+            kl, km = kl_loss(
+                lp[rows], ref[rows], mask[rows], coef=0.05, estimator="k3", reduction=reduction, normalizer=norm
+            )
             (loss + kl).backward()  # gradient accumulation, as the learner does
             total = total + (loss + kl).detach()
             merge_metrics(metrics, {**m, **km})

@@ -8,9 +8,16 @@ from backends.rollout.batch import Group, Sample, rewards_all_equal, staleness
 
 
 def _sample(uid="0-3", index=1, **kw):
-    base = dict(prompt_uid=uid, index=index, prompt_ids=[5, 6], response_ids=[7, 8, 9, 10],
-                loss_mask=[1, 1, 0, 1], rollout_logprobs=[-0.5, -0.25, 0.0, -1.0], reward=1.0,
-                policy_versions=(4, 3, 4))
+    base = dict(
+        prompt_uid=uid,
+        index=index,
+        prompt_ids=[5, 6],
+        response_ids=[7, 8, 9, 10],
+        loss_mask=[1, 1, 0, 1],
+        rollout_logprobs=[-0.5, -0.25, 0.0, -1.0],
+        reward=1.0,
+        policy_versions=(4, 3, 4),
+    )
     base.update(kw)
     return Sample(**base)
 

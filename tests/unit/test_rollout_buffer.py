@@ -13,8 +13,10 @@ from backends.rollout.buffer import AsyncGroupBuffer, PromptRef, PromptSampler, 
 
 def _group(uid, start_version, rewards=(0.0, 1.0), versions=None):
     versions = versions or (start_version,)
-    samples = [Sample(uid, i, [1], [2, 3], [1, 1], [-0.1, -0.2], reward=r, policy_versions=versions)
-               for i, r in enumerate(rewards)]
+    samples = [
+        Sample(uid, i, [1], [2, 3], [1, 1], [-0.1, -0.2], reward=r, policy_versions=versions)
+        for i, r in enumerate(rewards)
+    ]
     return Group(uid, samples, start_version)
 
 

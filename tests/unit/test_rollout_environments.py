@@ -146,7 +146,11 @@ def test_factory_prefers_user_environment_then_reward_then_task():
 
 def test_factory_rejects_bad_references():
     with pytest.raises(UsageError, match="not both"):
-        environment_factory(_recipe(environment="tests.unit.test_rollout_environments:GuessEnv",
-                                    reward="tests.unit.test_rollout_environments:user_reward"))
+        environment_factory(
+            _recipe(
+                environment="tests.unit.test_rollout_environments:GuessEnv",
+                reward="tests.unit.test_rollout_environments:user_reward",
+            )
+        )
     with pytest.raises(UsageError, match="must be a subclass"):
         environment_factory(_recipe(environment="tests.unit.test_rollout_environments:user_reward"))

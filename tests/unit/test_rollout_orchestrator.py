@@ -51,9 +51,9 @@ def test_a_failure_anywhere_is_raised_while_the_rest_would_wait_forever(failing_
 
 import threading  # noqa: E402
 
-from skyrl_contracts.exchange import RunExchange  # noqa: E402
 from backends.rollout.client import Completion, WeightSpan  # noqa: E402
 from backends.rollout.orchestrator import Orchestrator, load_rows  # noqa: E402
+from skyrl_contracts.exchange import RunExchange  # noqa: E402
 from skyrl_contracts.schema import Recipe  # noqa: E402
 
 
@@ -136,23 +136,43 @@ def _learner(exchange: RunExchange, steps: int, seen: list):
 def _orchestrator(tmp_path, async_mode: bool):
     from backends.models.tokenizer import build_char_tokenizer
 
-    recipe = Recipe.model_validate({
-        "name": "orch", "seed": 3,
-        "model": {"init": {"hidden_size": 32, "layers": 1, "heads": 2}, "tokenizer": "char"},
-        "data": {"task": "addition", "digits": 2, "train_size": 64, "eval_size": 6},
-        "rl": {"steps": 3, "prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 4, "eval_every": 2,
-               "save_every": 0, "async": {"max_staleness": 1}},
-    })  # fmt: skip
+    recipe = Recipe.model_validate(
+        {
+            "name": "orch",
+            "seed": 3,
+            "model": {"init": {"hidden_size": 32, "layers": 1, "heads": 2}, "tokenizer": "char"},
+            "data": {"task": "addition", "digits": 2, "train_size": 64, "eval_size": 6},
+            "rl": {
+                "steps": 3,
+                "prompts_per_step": 2,
+                "samples_per_prompt": 2,
+                "max_new_tokens": 4,
+                "eval_every": 2,
+                "save_every": 0,
+                "async": {"max_staleness": 1},
+            },
+        }
+    )
     from backends.data.tasks import get_task
 
     tokenizer = build_char_tokenizer(get_task("addition", 2).alphabet)
     engines = FakeEngines()
     client = RecordingClient(tokenizer, engines)
     events = []
-    recorder = type("Events", (), {"log": lambda self, step, m: events.append((step, dict(m))), "close": lambda self: None})()
+    recorder = type(
+        "Events", (), {"log": lambda self, step, m: events.append((step, dict(m))), "close": lambda self: None}
+    )()
     exchange = RunExchange(tmp_path)
-    orchestrator = Orchestrator(recipe, tokenizer=tokenizer, rows=load_rows(recipe), open_client=lambda: client,
-                                engines=engines, exchange=exchange, events=recorder, async_mode=async_mode)  # fmt: skip
+    orchestrator = Orchestrator(
+        recipe,
+        tokenizer=tokenizer,
+        rows=load_rows(recipe),
+        open_client=lambda: client,
+        engines=engines,
+        exchange=exchange,
+        events=recorder,
+        async_mode=async_mode,
+    )
     return orchestrator, client, engines, events, exchange
 
 

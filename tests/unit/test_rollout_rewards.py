@@ -55,6 +55,7 @@ def test_guard_times_out_without_blocking():
         out = as_reward(caller.call(lambda: release.wait(30) or 1.0))
         assert out.reward == 0.0 and out.error.startswith("timeout:")
         assert "0.2 s" in out.error
+
         # the async form does not stall the event loop meanwhile
         async def both():
             ticks = 0
@@ -78,8 +79,14 @@ def test_guard_times_out_without_blocking():
 
 @pytest.mark.parametrize(
     "value, reward, error",
-    [(1, 1.0, None), (True, 1.0, None), (0.25, 0.25, None), (float("nan"), 0.0, "reward is not finite: nan"),
-     ("1.0", 0.0, "reward must be a number, got str"), (None, 0.0, "reward must be a number, got NoneType")],
+    [
+        (1, 1.0, None),
+        (True, 1.0, None),
+        (0.25, 0.25, None),
+        (float("nan"), 0.0, "reward is not finite: nan"),
+        ("1.0", 0.0, "reward must be a number, got str"),
+        (None, 0.0, "reward must be a number, got NoneType"),
+    ],
 )
 def test_as_reward_coerces_or_records(value, reward, error):
     out = as_reward(CallOutcome(value=value))

@@ -103,7 +103,10 @@ def test_batched_first_turns_of_different_prompts():
 
     sessions, turns = run(main())
     # chunks of 2 prompts, own session ids; max_tokens = the least room in the chunk (10 - 4, 10 - 6)
-    assert [(c[1], c[2], c[3], len(c[0])) for c in client.calls] == [("eval-v3-0", 6, "batch", 2), ("eval-v3-1", 4, "batch", 2)]
+    assert [(c[1], c[2], c[3], len(c[0])) for c in client.calls] == [
+        ("eval-v3-0", 6, "batch", 2),
+        ("eval-v3-1", 4, "batch", 2),
+    ]
     assert [t.token_ids[0] for t in turns] == [1000, 1001, 1002, 1003]  # each its own prompt's answer
     assert sessions[3].response_ids == [1003, 2] and sessions[3].loss_mask == [1, 1]
     assert sorted(client.finished) == ["eval-v3-0", "eval-v3-1"]

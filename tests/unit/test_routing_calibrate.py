@@ -19,8 +19,9 @@ def test_fit_recovers_a_known_cost_and_overhead():
     truth = StepCost(base_s=0.0015, per_prefill_token_s=2e-6, per_seq_s=6e-5, per_kv_token_s=3e-9)
     per_batch, per_request = 0.003, 0.001
     shapes = DECODE_SHAPES + PREFILL_SHAPES + CONTEXT_SHAPES
-    measured = [(s, per_batch + per_request * s[0] + truth.run_time(s[0] * s[1], s[0], s[0] * s[1], s[2]))
-                for s in shapes]
+    measured = [
+        (s, per_batch + per_request * s[0] + truth.run_time(s[0] * s[1], s[0], s[0] * s[1], s[2])) for s in shapes
+    ]
     fitted = fit_step_cost(measured)
     assert fitted.request_overhead_s == pytest.approx(per_batch + per_request, rel=1e-6)
     assert fitted.cost.base_s == pytest.approx(truth.base_s, rel=1e-6)
@@ -37,7 +38,9 @@ def test_nnls_never_returns_negative_coefficients():
 
 def test_kv_capacity_is_read_from_the_engine_log(tmp_path):
     log = tmp_path / "engine-0.log"
-    log.write_text("noise\n(EngineCore pid=1) INFO [kv_cache_utils.py:2327] CPU KV cache size: 65,536 tokens, "
-                   "Maximum concurrency for 512 tokens per request: 128.00x\n")
+    log.write_text(
+        "noise\n(EngineCore pid=1) INFO [kv_cache_utils.py:2327] CPU KV cache size: 65,536 tokens, "
+        "Maximum concurrency for 512 tokens per request: 128.00x\n"
+    )
     assert kv_capacity_from_log(log) == 65536
     assert kv_capacity_from_log(tmp_path / "missing.log") is None

@@ -6,8 +6,24 @@ import pytest
 
 from skyrl_cli.app import main
 
-TINY = ["bench", "routing", "--replicas", "2", "--trajectories", "16", "--groups-per-step", "2", "--turns", "4",
-        "--steps", "2", "--trainer-step-s", "5", "--repeats", "1"]
+TINY = [
+    "bench",
+    "routing",
+    "--replicas",
+    "2",
+    "--trajectories",
+    "16",
+    "--groups-per-step",
+    "2",
+    "--turns",
+    "4",
+    "--steps",
+    "2",
+    "--trainer-step-s",
+    "5",
+    "--repeats",
+    "1",
+]
 
 
 def run(argv, capsys):
@@ -40,8 +56,10 @@ def test_json_and_plot(capsys, tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("flag, value, message", [("--pressure", "extreme", "unknown pressure level"),
-                                                  ("--policies", "fastest", "unknown routing policy")])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("--pressure", "extreme", "unknown pressure level"), ("--policies", "fastest", "unknown routing policy")],
+)
 def test_bad_input_is_a_usage_error(capsys, flag, value, message):
     code, _, err = run(TINY + [flag, value], capsys)
     assert code == 2 and message in err

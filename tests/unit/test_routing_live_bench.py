@@ -127,8 +127,9 @@ def test_repeats_rotate_and_every_run_is_written(tmp_path, monkeypatch):
 
 def test_cluster_request_sizes_the_kv_cache_in_whole_blocks(tmp_path, monkeypatch):
     h = Harness(monkeypatch)
-    lb.run_live_bench(_config(levels=[("low", 1.5), ("high", 0.25)], repeats=1), tmp_path, h.start_cluster,
-                      say=lambda s: None)
+    lb.run_live_bench(
+        _config(levels=[("low", 1.5), ("high", 0.25)], repeats=1), tmp_path, h.start_cluster, say=lambda s: None
+    )
     assert [c.request.label for c in h.clusters] == ["low", "high"] and h.torn_down == 2
     assert [c.request.run_dir.root for c in h.clusters] == [tmp_path / "pressure-low", tmp_path / "pressure-high"]
     for cluster in h.clusters:
@@ -148,8 +149,9 @@ def test_calibrate_measures_before_each_run_and_simulates_it(tmp_path, monkeypat
 
     monkeypatch.setattr(cal, "measure_engines", measure)
     said = []
-    report = lb.run_live_bench(_config(policies=[CLIENT_POLICY], calibrate=True, repeats=2), tmp_path,
-                               h.start_cluster, say=said.append)
+    report = lb.run_live_bench(
+        _config(policies=[CLIENT_POLICY], calibrate=True, repeats=2), tmp_path, h.start_cluster, say=said.append
+    )
     assert measured == [0, 1]
     (result,) = report["levels"][0]["results"]
     assert all("simulated" in run and "fitted" in run for run in result["runs"])
@@ -173,4 +175,3 @@ def test_no_process_exited_is_said_too(tmp_path, monkeypatch):
     h = Harness(monkeypatch, fail_on=0)
     with pytest.raises(LaunchError, match="no process exited"):
         lb.run_live_bench(_config(repeats=1), tmp_path, h.start_cluster, say=lambda s: None)
-

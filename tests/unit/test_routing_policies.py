@@ -29,11 +29,11 @@ def test_consistent_hash_is_sticky_without_bookkeeping():
 def test_sticky_least_loaded_spreads_new_sessions_and_sticks():
     policy = make_policy("sticky_least_loaded", WORKERS)
     placed = [policy.route(f"s{i}", 100) for i in range(4)]
-    assert sorted(placed) == [0, 1, 2, 3]          # one new session per worker
+    assert sorted(placed) == [0, 1, 2, 3]  # one new session per worker
     assert policy.active_sessions == [1, 1, 1, 1]
-    for i, worker in enumerate(placed):             # later turns stick, whatever their size
+    for i, worker in enumerate(placed):  # later turns stick, whatever their size
         assert policy.route(f"s{i}", 5000) == worker
-    assert policy.active_sessions == [1, 1, 1, 1]   # repeated turns are not new sessions
+    assert policy.active_sessions == [1, 1, 1, 1]  # repeated turns are not new sessions
 
 
 def test_finish_session_releases_capacity():
@@ -43,8 +43,8 @@ def test_finish_session_releases_capacity():
     policy.finish_session("s5")
     freed = placed["s5"]
     assert policy.active_sessions[freed] == 1
-    assert policy.route("new", 100) == freed        # the only worker below the others
-    policy.finish_session("never-seen")             # unknown session: no-op
+    assert policy.route("new", 100) == freed  # the only worker below the others
+    policy.finish_session("never-seen")  # unknown session: no-op
     assert sum(policy.active_sessions) == 8
     for s in list(placed) + ["new"]:
         policy.finish_session(s)
@@ -78,14 +78,14 @@ def test_sticky_kv_repin_moves_a_session_off_an_overloaded_worker():
     heavy = 0 if ours.active_sessions[0] == 2 else 1
     light = 1 - heavy
     x, y = [s for s, w in home.items() if w == heavy]
-    ours.on_response(x, heavy, 15_000)            # the heavy worker's sessions grew ...
-    ours.on_response(y, heavy, 6_000)             # ... beyond its KV capacity (21k > 20k)
+    ours.on_response(x, heavy, 15_000)  # the heavy worker's sessions grew ...
+    ours.on_response(y, heavy, 6_000)  # ... beyond its KV capacity (21k > 20k)
     assert ours.route(y, 6_200) == light or ours.moves == 1  # the first to come back moves
     assert ours.moves == 1
     assert ours.active_sessions == ([1, 2] if heavy == 0 else [2, 1])
     assert ours.pinned_tokens == [sum(p.context_tokens for p in ours.pins.values() if p.worker == w) for w in (0, 1)]
-    assert ours.route(x, 15_200) == heavy         # no longer overloaded: x stays
-    assert ours.route(y, 6_500) == light          # and y sticks to its new home
+    assert ours.route(x, 15_200) == heavy  # no longer overloaded: x stays
+    assert ours.route(y, 6_500) == light  # and y sticks to its new home
     assert ours.moves == 1
 
 
@@ -93,6 +93,6 @@ def test_sticky_kv_repin_stays_when_no_worker_has_room():
     ours = make_policy("sticky_kv_repin", WORKERS[:2], [10_000, 10_000])
     home = {s: ours.route(s, 1000) for s in "abcd"}
     for s, w in home.items():
-        ours.on_response(s, w, 6000)              # both workers at 12k pinned > 10k
+        ours.on_response(s, w, 6000)  # both workers at 12k pinned > 10k
     assert all(ours.route(s, 6500) == w for s, w in home.items())
     assert ours.moves == 0

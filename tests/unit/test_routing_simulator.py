@@ -9,14 +9,37 @@ from skyrl_cli.routing.workload import WorkloadSpec, sample_group, working_set_p
 COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4, per_seq_s=1e-3, per_kv_token_s=1e-6)
 
 # Small enough for a unit test, long enough to overflow a small KV cache.
-SMALL = WorkloadSpec(group_size=4, groups_per_step=2, trainer_steps=2, max_inflight_groups=4, max_staleness=1,
-                     trainer_step_s=5.0, turns_mean=6, prompt_mean=300, response_mean=60, observation_mean=60,
-                     max_response=200, max_context=2048, env_latency_mean_s=0.5)
+SMALL = WorkloadSpec(
+    group_size=4,
+    groups_per_step=2,
+    trainer_steps=2,
+    max_inflight_groups=4,
+    max_staleness=1,
+    trainer_step_s=5.0,
+    turns_mean=6,
+    prompt_mean=300,
+    response_mean=60,
+    observation_mean=60,
+    max_response=200,
+    max_context=2048,
+    env_latency_mean_s=0.5,
+)
 
 
 def run_to_end(policy: str, kv_capacity: int, seed: int = 0, replicas: int = 3, block_size: int = 16):
-    sim = Simulation(SimConfig(policy=policy, replicas=replicas, kv_capacity=kv_capacity, cost=COST, workload=SMALL,
-                               seed=seed, drain=True, check_invariants=True, block_size=block_size))
+    sim = Simulation(
+        SimConfig(
+            policy=policy,
+            replicas=replicas,
+            kv_capacity=kv_capacity,
+            cost=COST,
+            workload=SMALL,
+            seed=seed,
+            drain=True,
+            check_invariants=True,
+            block_size=block_size,
+        )
+    )
     return sim, sim.run()
 
 
@@ -32,7 +55,8 @@ def test_steps_within_inverts_run_time():
 def test_run_time_adds_up_step_by_step():
     prefill, batch, kv, steps = 300, 3, 1000, 5
     by_step = COST.per_prefill_token_s * prefill + sum(
-        COST.base_s + COST.per_seq_s * batch + COST.per_kv_token_s * (kv + j * batch) for j in range(steps))
+        COST.base_s + COST.per_seq_s * batch + COST.per_kv_token_s * (kv + j * batch) for j in range(steps)
+    )
     assert COST.run_time(prefill, batch, kv, steps) == pytest.approx(by_step)
 
 
@@ -52,16 +76,16 @@ def test_next_turn_reuses_the_cached_prefix():
     replica = Replica(0, ReplicaSpec(kv_capacity=10_000, block_size=1), COST)
     replica.enqueue(Request("s", 500, 20, 0.0))
     replica.finish_run(replica.schedule(0.0))
-    replica.enqueue(Request("s", 520 + 80, 10, 1.0))   # previous context + an observation
+    replica.enqueue(Request("s", 520 + 80, 10, 1.0))  # previous context + an observation
     replica.schedule(1.0)
     assert replica.stats.cached_tokens == 520 and replica.stats.prefill_tokens == 500 + 80
-    assert "s" not in replica.cache                    # the entry is now the running request's KV
+    assert "s" not in replica.cache  # the entry is now the running request's KV
 
 
 def test_cache_hits_are_whole_blocks():
     replica = Replica(0, ReplicaSpec(kv_capacity=10_000, block_size=128), COST)
     replica.enqueue(Request("s", 500, 20, 0.0))
-    replica.finish_run(replica.schedule(0.0))          # cached: 520 tokens = 4 full blocks + 8
+    replica.finish_run(replica.schedule(0.0))  # cached: 520 tokens = 4 full blocks + 8
     replica.enqueue(Request("s", 600, 10, 1.0))
     replica.schedule(1.0)
     assert replica.stats.cached_tokens == 512
@@ -76,7 +100,7 @@ def test_admission_waits_for_kv_and_lru_evicts_tail_first():
     assert [r.session for r in replica.running] == ["a"]
     # 601 running + 600 cached > 1000: the least recently used entry loses its tail first.
     assert replica.cache == {"old": 99, "new": 300}
-    replica.enqueue(Request("b", 600, 50, 0.0))        # does not fit next to "a": waits
+    replica.enqueue(Request("b", 600, 50, 0.0))  # does not fit next to "a": waits
     end = replica.cut_run(0.0) or replica.run_start_s + COST.run_time(600, 1, 600, replica.run_steps)
     replica.finish_run(end)
     replica.schedule(end)
@@ -89,14 +113,14 @@ def test_preemption_takes_the_last_admitted_and_keeps_its_progress():
     replica.enqueue(Request("b", 400, 500, 0.0))
     end = replica.schedule(0.0)
     assert len(replica.running) == 2
-    assert replica.run_steps == (1000 - 800) // 2      # runs until the cache is full
+    assert replica.run_steps == (1000 - 800) // 2  # runs until the cache is full
     replica.finish_run(end)
     assert replica.running_kv == 1000
-    replica.schedule(end)                              # no room for the next step: preempt "b"
+    replica.schedule(end)  # no room for the next step: preempt "b"
     assert [r.session for r in replica.running] == ["a"] and replica.waiting[0].session == "b"
     assert replica.stats.preemptions == 1
     b = replica.waiting[0]
-    assert b.generated == 100 and b.context == 500     # resumes after recomputing 500 tokens
+    assert b.generated == 100 and b.context == 500  # resumes after recomputing 500 tokens
     assert replica.running_kv + replica.cached <= 1000
 
 
@@ -118,7 +142,7 @@ def test_every_trajectory_finishes_and_tokens_are_conserved_under_pressure(polic
     # 2.5k tokens per replica: a handful of contexts; check_invariants asserts after every event that
     # running + cached KV never exceeds capacity and the running sums match the requests.
     sim, result = run_to_end(policy, kv_capacity=2_500)
-    assert result.preemptions > 0                      # the pressure path is exercised
+    assert result.preemptions > 0  # the pressure path is exercised
     assert result.trajectories_finished == result.trajectories_started == len(sim.trajectories)
     assert all(t.turn == t.turns and len(t.replicas) == t.turns for t in sim.trajectories)
     # Every response token is generated exactly once, preemptions notwithstanding.

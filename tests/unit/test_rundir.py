@@ -47,8 +47,22 @@ def test_initial_accuracy_round_trips_and_a_broken_file_reads_as_absent(tmp_path
 
 def test_every_path_stays_inside_the_run_directory(tmp_path):
     run = RunDir(tmp_path / "r")
-    paths = [run.resolved_recipe, run.plan, run.log("engine-0"), run.events, run.summary, run.eval_initial,
-             run.checkpoint(3), run.final, run.final_tmp, run.batch(2), run.weights_version(1),
-             run.latest_weights, run.current_weights, run.stop_request, run.orchestrator_state_at(4)]
+    paths = [
+        run.resolved_recipe,
+        run.plan,
+        run.log("engine-0"),
+        run.events,
+        run.summary,
+        run.eval_initial,
+        run.checkpoint(3),
+        run.final,
+        run.final_tmp,
+        run.batch(2),
+        run.weights_version(1),
+        run.latest_weights,
+        run.current_weights,
+        run.stop_request,
+        run.orchestrator_state_at(4),
+    ]
     assert all(p.is_relative_to(run.root) for p in paths)
     assert len(set(paths)) == len(paths)

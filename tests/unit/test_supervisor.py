@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_contracts.errors import LaunchError
 from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
+from skyrl_contracts.errors import LaunchError
 
 # A process that spawns a grandchild and writes both pids, then sleeps: teardown must reach both.
 PARENT_WITH_CHILD = textwrap.dedent(
@@ -50,7 +50,9 @@ def _wait_for_file(path: Path, timeout: float = 10.0) -> str:
 
 
 def _service(name: str, *argv: str, url: str | None = None) -> ProcessSpec:
-    return ProcessSpec(name=name, role="engine", argv=(sys.executable, *argv), ready=ReadinessCheck(url=url, timeout_s=5))
+    return ProcessSpec(
+        name=name, role="engine", argv=(sys.executable, *argv), ready=ReadinessCheck(url=url, timeout_s=5)
+    )
 
 
 def test_shutdown_kills_children_of_children(tmp_path):
@@ -66,7 +68,14 @@ def test_shutdown_kills_children_of_children(tmp_path):
 
 def test_job_exit_code_and_log(tmp_path):
     with Supervisor(tmp_path) as sup:
-        sup.start(ProcessSpec(name="job", role="trainer", kind="job", argv=(sys.executable, "-c", "print('hello'); raise SystemExit(3)")))
+        sup.start(
+            ProcessSpec(
+                name="job",
+                role="trainer",
+                kind="job",
+                argv=(sys.executable, "-c", "print('hello'); raise SystemExit(3)"),
+            )
+        )
         assert sup.wait_job("job", tick_s=0.05) == 3
     assert "hello" in (tmp_path / "logs" / "job.log").read_text()
 
@@ -74,7 +83,11 @@ def test_job_exit_code_and_log(tmp_path):
 def test_dead_service_fails_the_job_wait(tmp_path):
     with Supervisor(tmp_path) as sup:
         sup.start(_service("svc", "-c", "print('boom'); raise SystemExit(1)"))
-        sup.start(ProcessSpec(name="job", role="trainer", kind="job", argv=(sys.executable, "-c", "import time; time.sleep(30)")))
+        sup.start(
+            ProcessSpec(
+                name="job", role="trainer", kind="job", argv=(sys.executable, "-c", "import time; time.sleep(30)")
+            )
+        )
         with pytest.raises(LaunchError, match="(?s)svc died.*boom"):
             sup.wait_job("job", tick_s=0.05)
 
@@ -89,7 +102,14 @@ def test_not_ready_before_exit_reports_log_tail(tmp_path):
 def test_a_job_started_beside_services_that_fails_ends_their_readiness_wait(tmp_path):
     with Supervisor(tmp_path) as sup:
         sup.start(_service("svc", "-c", "import time; time.sleep(30)", url="http://127.0.0.1:9/health"))
-        sup.start(ProcessSpec(name="job", role="trainer", kind="job", argv=(sys.executable, "-c", "print('no model'); raise SystemExit(4)")))
+        sup.start(
+            ProcessSpec(
+                name="job",
+                role="trainer",
+                kind="job",
+                argv=(sys.executable, "-c", "print('no model'); raise SystemExit(4)"),
+            )
+        )
         started = time.monotonic()
         with pytest.raises(LaunchError, match="(?s)job.*no model"):
             sup.wait_ready(["svc"], timeout_s=20, watch_jobs=["job"])

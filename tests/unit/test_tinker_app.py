@@ -46,9 +46,17 @@ class FakeEngine:
 
 @pytest.fixture
 def client(tmp_path):
-    config = ServerConfig(base_model="tiny", model_dir=str(tmp_path / "model"), storage_dir=str(tmp_path / "st"),
-                          api_keys=frozenset({"tml-a", "tml-b"}), max_request_bytes=4096, max_sequence_tokens=64,
-                          max_live_adapters=2, max_lora_rank=16, long_poll_s=2.0)  # fmt: skip
+    config = ServerConfig(
+        base_model="tiny",
+        model_dir=str(tmp_path / "model"),
+        storage_dir=str(tmp_path / "st"),
+        api_keys=frozenset({"tml-a", "tml-b"}),
+        max_request_bytes=4096,
+        max_sequence_tokens=64,
+        max_live_adapters=2,
+        max_lora_rank=16,
+        long_poll_s=2.0,
+    )
     service = TinkerService(config, engine_factory=FakeEngine)
     service.start()
     service.trainer.ready.wait(10)
@@ -67,8 +75,11 @@ def wait(http, rid, headers=A):
 
 def new_model(http, headers=A, rank=8):
     session = http.post("/api/v1/create_session", json={"sdk_version": "0.38.0"}, headers=headers).json()["session_id"]
-    r = http.post("/api/v1/create_model", headers=headers, json={
-        "session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": rank}})  # fmt: skip
+    r = http.post(
+        "/api/v1/create_model",
+        headers=headers,
+        json={"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": rank}},
+    )
     assert r.status_code == 200, r.text
     assert isinstance(r.json()["request_id"], str)
     assert wait(http, r.json()["request_id"], headers) == {"model_id": f"{session}:train:0", "type": "create_model"}
@@ -76,17 +87,24 @@ def new_model(http, headers=A, rank=8):
 
 
 def fb_body(model_id, seq_id=1, tokens=(1, 2, 3), loss_fn="cross_entropy", inputs=None):
-    datum = types.Datum(model_input=types.ModelInput.from_ints(list(tokens)),
-                        loss_fn_inputs=inputs or {"target_tokens": list(tokens)})  # fmt: skip
-    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn),
-                                       model_id=model_id, seq_id=seq_id)  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(tokens)), loss_fn_inputs=inputs or {"target_tokens": list(tokens)}
+    )
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
     return forward_backward_request_to_proto(req).SerializeToString()
 
 
 def test_handshake_and_auth(client):
     assert client.get("/api/v1/healthz").json() == {"status": "ok"}
     assert client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}).status_code == 401
-    assert client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}, headers={"X-API-Key": "tml-c"}).status_code == 401
+    assert (
+        client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}, headers={"X-API-Key": "tml-c"}).status_code
+        == 401
+    )
     config = client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}, headers=A)
     assert config.status_code == 200 and config.json()["pjwt_auth_enabled"] is False
     old = client.post("/api/v1/client/config", json={"sdk_version": "0.24.1"}, headers=A)
@@ -94,10 +112,15 @@ def test_handshake_and_auth(client):
     session = client.post("/api/v1/create_session", json={"sdk_version": "0.38.0"}, headers=A).json()
     assert "sampling is refused" in session["warning_message"]
     sid = session["session_id"]
-    assert client.post("/api/v1/session_heartbeat", json={"session_id": sid}, headers=A).json() == {"type": "session_heartbeat"}
+    assert client.post("/api/v1/session_heartbeat", json={"session_id": sid}, headers=A).json() == {
+        "type": "session_heartbeat"
+    }
     assert client.post("/api/v1/session_heartbeat", json={"session_id": sid}, headers=B).status_code == 404
     assert client.post("/api/v1/telemetry", json={"events": []}, headers=A).json() == {"status": "accepted"}
-    assert client.post(f"/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}, headers=A).status_code == 200
+    assert (
+        client.post(f"/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}, headers=A).status_code
+        == 200
+    )
     caps = client.get("/api/v1/get_server_capabilities", headers=A).json()
     assert caps["supported_models"][0]["model_name"] == "tiny"
 
@@ -111,14 +134,21 @@ def test_models_are_private_to_their_key(client):
     assert r.status_code == 404
     r = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}}, headers=B)
     assert r.status_code == 404
-    r = client.post("/api/v1/create_model", headers=B, json={
-        "session_id": session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 8}})  # fmt: skip
+    r = client.post(
+        "/api/v1/create_model",
+        headers=B,
+        json={"session_id": session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 8}},
+    )
     assert r.status_code == 404
     # futures too
-    rid = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}}, headers=A).json()["request_id"]
+    rid = client.post(
+        "/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}}, headers=A
+    ).json()["request_id"]
     assert client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=B).status_code == 404
     assert "metrics" in wait(client, rid)
-    assert client.get(f"/api/v1/sessions/{session}", headers=A).json()["training_run_ids"] == [model_id.replace(":", "_")]
+    assert client.get(f"/api/v1/sessions/{session}", headers=A).json()["training_run_ids"] == [
+        model_id.replace(":", "_")
+    ]
     assert client.get(f"/api/v1/sessions/{session}", headers=B).status_code == 404
     assert client.get("/api/v1/training_runs", headers=B).json()["training_runs"] == []
     assert len(client.get("/api/v1/training_runs", headers=A).json()["training_runs"]) == 1
@@ -140,7 +170,12 @@ def test_seq_id_dedup_returns_the_same_future(client):
         ("/api/v1/create_model", [1, 2], 400, "JSON object"),
         ("/api/v1/create_model", {"session_id": "x"}, 400, "model_seq_id"),
         ("/api/v1/optim_step", {"model_id": "nope", "seq_id": 0, "adam_params": {}}, 400, "seq_id"),
-        ("/api/v1/optim_step", {"model_id": "nope", "seq_id": 1, "adam_params": {"learning_rate": -1}}, 400, "learning_rate"),
+        (
+            "/api/v1/optim_step",
+            {"model_id": "nope", "seq_id": 1, "adam_params": {"learning_rate": -1}},
+            400,
+            "learning_rate",
+        ),
         ("/api/v1/optim_step", {"model_id": "nope", "seq_id": 1, "adam_params": {}}, 404, "not found"),
         ("/api/v1/retrieve_future", {"request_id": "abc"}, 400, "malformed request_id"),
         ("/api/v1/retrieve_future", {"request_id": "999999"}, 404, "not found"),
@@ -148,7 +183,12 @@ def test_seq_id_dedup_returns_the_same_future(client):
         ("/api/v1/load_weights", {"path": "tinker://a/weights/../x", "optimizer": False}, 400, "three segments"),
         ("/api/v1/load_weights", {"path": "tinker://r/weights/x", "optimizer": False}, 404, "not found"),
         ("/api/v1/create_sampling_session", {"session_id": "s", "base_model": "tiny"}, 404, "session s not found"),
-        ("/api/v1/asample", {"prompt": {"chunks": []}, "sampling_params": {}, "base_model": "tiny"}, 400, "without inference engines"),
+        (
+            "/api/v1/asample",
+            {"prompt": {"chunks": []}, "sampling_params": {}, "base_model": "tiny"},
+            400,
+            "without inference engines",
+        ),
         ("/api/v1/save_weights_external", {}, 400, "not supported"),
         ("/api/v1/forward", {}, 400, "forward_only"),
         ("/api/v1/copy_weights", {}, 400, "copy_weights is not supported"),
@@ -172,8 +212,12 @@ def test_create_model_refusals(client):
     assert "not served here" in create(base_model="other/model").json()["detail"]
     assert "LoRA adapters only" in create(lora_config=None).json()["detail"]
     assert "above this server's maximum 16" in create(lora_config={"rank": 64}).json()["detail"]
-    assert "trains nothing" in create(lora_config={"rank": 8, "train_attn": False, "train_mlp": False,
-                                                   "train_unembed": False}).json()["detail"]  # fmt: skip
+    assert (
+        "trains nothing"
+        in create(lora_config={"rank": 8, "train_attn": False, "train_mlp": False, "train_unembed": False}).json()[
+            "detail"
+        ]
+    )
     assert "adamw only" in create(optimizer_config={"type": "dimuon"}).json()["detail"]
     assert create().status_code == 200
     assert create(model_seq_id=1).status_code == 200
@@ -187,12 +231,17 @@ def test_forward_backward_checks(client):
     assert r.status_code == 415 and "x-protobuf" in r.json()["detail"]
     r = client.post("/api/v1/forward_backward", content=b"\xff\xfe garbage", headers={**A, **PROTO})
     assert r.status_code == 400
-    r = client.post("/api/v1/forward_backward", content=fb_body(model_id, loss_fn="stable_reinforce"), headers={**A, **PROTO})
+    r = client.post(
+        "/api/v1/forward_backward", content=fb_body(model_id, loss_fn="stable_reinforce"), headers={**A, **PROTO}
+    )
     assert r.status_code == 400 and "'stable_reinforce' is not supported" in r.json()["detail"]
     r = client.post("/api/v1/forward_backward", content=fb_body(model_id, tokens=(1, 2, 500)), headers={**A, **PROTO})
     assert r.status_code == 400 and "token ids" in r.json()["detail"]
-    r = client.post("/api/v1/forward_backward", content=fb_body(model_id, inputs={"target_tokens": [1, 2, 3], "logprobs": [0.0] * 3}),
-                    headers={**A, **PROTO})  # fmt: skip
+    r = client.post(
+        "/api/v1/forward_backward",
+        content=fb_body(model_id, inputs={"target_tokens": [1, 2, 3], "logprobs": [0.0] * 3}),
+        headers={**A, **PROTO},
+    )
     assert r.status_code == 400 and "not used by 'cross_entropy'" in r.json()["detail"]
     big = fb_body(model_id, tokens=tuple(range(60)))
     r = client.post("/api/v1/forward_backward", content=big * 10, headers={**A, **PROTO})
@@ -204,7 +253,9 @@ def test_forward_backward_checks(client):
 def test_retrieve_future_long_polls_then_says_try_again(client):
     model_id, _ = new_model(client)
     # seq 5 waits for seqs 1..4 (GAP_WAIT_S): the poll answers try_again after long_poll_s
-    rid = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 5, "adam_params": {}}, headers=A).json()["request_id"]
+    rid = client.post(
+        "/api/v1/optim_step", json={"model_id": model_id, "seq_id": 5, "adam_params": {}}, headers=A
+    ).json()["request_id"]
     started = time.monotonic()
     body = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=A).json()
     assert body == {"type": "try_again", "request_id": rid, "queue_state": "active"}
@@ -215,9 +266,13 @@ def test_retrieve_future_long_polls_then_says_try_again(client):
 def test_checkpoint_routes(client):
     model_id, _ = new_model(client)
     run_id = model_id.replace(":", "_")
-    rid = client.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "c1"}, headers=A).json()["request_id"]
+    rid = client.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "c1"}, headers=A).json()[
+        "request_id"
+    ]
     assert wait(client, rid) == {"path": f"tinker://{run_id}/weights/c1", "type": "save_weights"}
-    rid = client.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "c1"}, headers=A).json()["request_id"]
+    rid = client.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "c1"}, headers=A).json()[
+        "request_id"
+    ]
     assert "exists" in wait(client, rid)["error"]
     bad = client.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": 3, "path": "../x"}, headers=A)
     assert bad.status_code == 400 and "checkpoint name" in bad.json()["detail"]
@@ -230,14 +285,22 @@ def test_checkpoint_routes(client):
     assert client.delete(f"/api/v1/training_runs/{run_id}/checkpoints/weights/c1", headers=B).status_code == 404
     assert client.delete(f"/api/v1/training_runs/{run_id}/checkpoints/weights/c1", headers=A).status_code == 200
     assert client.get(f"/api/v1/training_runs/{run_id}/checkpoints", headers=A).json()["checkpoints"] == []
-    r = client.post("/api/v1/load_weights", json={"path": f"tinker://{run_id}/weights/c1", "optimizer": True,
-                                                  "model_id": model_id, "seq_id": 4}, headers=A)  # fmt: skip
+    r = client.post(
+        "/api/v1/load_weights",
+        json={"path": f"tinker://{run_id}/weights/c1", "optimizer": True, "model_id": model_id, "seq_id": 4},
+        headers=A,
+    )
     assert r.status_code == 404
 
 
 def test_a_session_without_heartbeats_ends_and_frees_its_adapters(tmp_path):
-    config = ServerConfig(base_model="tiny", model_dir=str(tmp_path / "model"), storage_dir=str(tmp_path / "st"),
-                          api_keys=frozenset({"tml-a"}), session_timeout_s=0.4)  # fmt: skip
+    config = ServerConfig(
+        base_model="tiny",
+        model_dir=str(tmp_path / "model"),
+        storage_dir=str(tmp_path / "st"),
+        api_keys=frozenset({"tml-a"}),
+        session_timeout_s=0.4,
+    )
     service = TinkerService(config, engine_factory=FakeEngine)
     service.start()
     service.trainer.ready.wait(10)

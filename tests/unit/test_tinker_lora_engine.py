@@ -31,7 +31,9 @@ def model_dir(tmp_path_factory):
 
 def ce(seq, weights=None):
     n = len(seq) - 1
-    return DatumIn(seq[:-1], seq[1:], {"weights": np.asarray(weights if weights is not None else [1.0] * n, np.float32)})
+    return DatumIn(
+        seq[:-1], seq[1:], {"weights": np.asarray(weights if weights is not None else [1.0] * n, np.float32)}
+    )
 
 
 def grads(engine, model_id):
@@ -53,7 +55,9 @@ def test_batched_pass_equals_separate_passes_and_gradients_stay_per_adapter(mode
     for name in ("a", "b"):
         for p in engine.adapter(name).parameters():
             p.grad = None
-    both = engine.run([WorkItem("a", [ce(SEQ)], "cross_entropy", {}), WorkItem("b", [ce(short)], "cross_entropy", {})], True)
+    both = engine.run(
+        [WorkItem("a", [ce(SEQ)], "cross_entropy", {}), WorkItem("b", [ce(short)], "cross_entropy", {})], True
+    )
     assert both[0].loss_sum == pytest.approx(alone_a.loss_sum, rel=1e-5)
     assert both[1].loss_sum == pytest.approx(alone_b.loss_sum, rel=1e-5)
     np.testing.assert_allclose(both[1].logprobs[0], alone_b.logprobs[0], rtol=1e-5, atol=1e-6)
@@ -124,7 +128,9 @@ def test_training_lowers_the_loss_and_checkpoints_are_peft_exact(model_dir, tmp_
     assert -lp == pytest.approx(last, rel=1e-4)
 
     engine.load("c", tmp_path / "ck", with_optimizer=True)
-    assert engine.run([WorkItem("c", [ce(SEQ)], "cross_entropy", {})], False)[0].loss_sum == pytest.approx(last, rel=1e-6)
+    assert engine.run([WorkItem("c", [ce(SEQ)], "cross_entropy", {})], False)[0].loss_sum == pytest.approx(
+        last, rel=1e-6
+    )
     # the optimizer state came along: the same step from a and from c gives the same weights
     for name in ("a", "c"):
         engine.run([WorkItem(name, [ce(SEQ)], "cross_entropy", {})], True)
@@ -143,8 +149,9 @@ def test_scheduler_batches_adapters_and_keeps_seq_order(model_dir, tmp_path):
     from backends.tinker.service import Job, ServerConfig, TinkerService
     from backends.tinker.wire import Datum, ForwardBackward
 
-    config = ServerConfig(base_model="tiny", model_dir=str(model_dir), storage_dir=str(tmp_path / "st"),
-                          api_keys=frozenset({"tml-a"}))  # fmt: skip
+    config = ServerConfig(
+        base_model="tiny", model_dir=str(model_dir), storage_dir=str(tmp_path / "st"), api_keys=frozenset({"tml-a"})
+    )
     service = TinkerService(config)
     trainer = service.trainer
     trainer.engine = LoraEngine(model_dir, 8, 4)
@@ -152,9 +159,13 @@ def test_scheduler_batches_adapters_and_keeps_seq_order(model_dir, tmp_path):
         trainer.engine.create_adapter(m, 4, ["q_proj", "v_proj"], 0)
 
     def fb(model, seq_id):
-        d = Datum(SEQ[:-1], {"target_tokens": np.asarray(SEQ[1:], np.int64), "weights": np.ones(len(SEQ) - 1, np.float32)})
+        d = Datum(
+            SEQ[:-1], {"target_tokens": np.asarray(SEQ[1:], np.int64), "weights": np.ones(len(SEQ) - 1, np.float32)}
+        )
         rid, _ = service.store.submit("o", "forward_backward", None, model_id=model, seq_id=seq_id)
-        return Job(rid, "forward_backward", "o", model, seq_id, ForwardBackward(model, seq_id, "cross_entropy", False, [d]))
+        return Job(
+            rid, "forward_backward", "o", model, seq_id, ForwardBackward(model, seq_id, "cross_entropy", False, [d])
+        )
 
     # m1 sends seq 2 before seq 1 (chunks, first chunk last); m2 and m3 one request each
     jobs = [fb("m1", 2), fb("m2", 1), fb("m3", 1)]
@@ -164,7 +175,9 @@ def test_scheduler_batches_adapters_and_keeps_seq_order(model_dir, tmp_path):
     assert [[(j.model_id, j.seq_id) for j in g] for g in rounds] == [[("m2", 1), ("m3", 1)]]  # m1 waits for seq 1
     trainer.submit(fb("m1", 1))
     rid, _ = service.store.submit("o", "optim_step", None, model_id="m1", seq_id=3)
-    trainer.submit(Job(rid, "optim_step", "o", "m1", 3, OptimStepRequest(model_id="m1", seq_id=3, adam_params=AdamParams())))
+    trainer.submit(
+        Job(rid, "optim_step", "o", "m1", 3, OptimStepRequest(model_id="m1", seq_id=3, adam_params=AdamParams()))
+    )
     rounds = trainer._take_round()
     assert [[(j.model_id, j.seq_id) for j in g] for g in rounds] == [[("m1", 1), ("m1", 2)]]
     trainer._execute(rounds)

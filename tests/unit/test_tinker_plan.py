@@ -8,18 +8,32 @@ from skyrl_cli.plan.feasibility import load_feasible_recipe
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.tinker import plan_tinker
 
-CPU2 = MachineFacts(cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)])
+CPU2 = MachineFacts(
+    cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [29500 + i for i in range(n)]
+)
 
 
 def recipe_file(tmp_path, extra: str = "") -> str:
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "num_attention_heads": 4,
-        "num_hidden_layers": 2, "max_position_embeddings": 512, "vocab_size": 64}))  # fmt: skip
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 128,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "max_position_embeddings": 512,
+                "vocab_size": 64,
+            }
+        )
+    )
     path = tmp_path / "conf" / "t.toml"
     path.parent.mkdir()
-    path.write_text(f'name = "t"\n[model]\npath = "../m"\n[inference]\nengines = 1\n[tinker]\napi_keys = ["tml-x"]\n{extra}\n')
+    path.write_text(
+        f'name = "t"\n[model]\npath = "../m"\n[inference]\nengines = 1\n[tinker]\napi_keys = ["tml-x"]\n{extra}\n'
+    )
     return str(path)
 
 
@@ -36,7 +50,6 @@ def test_a_relative_storage_dir_is_relative_to_the_recipe_file(tmp_path, monkeyp
     recipe = load_feasible_recipe(recipe_file(tmp_path, 'storage_dir = "store"'), gpu_count=0)
     _, config = plan_tinker(recipe, tmp_path / "run", CPU2)
     assert config["storage_dir"] == str(tmp_path / "conf" / "store")
-
 
 
 def test_without_storage_dir_the_storage_is_in_the_run_directory(tmp_path):

@@ -78,15 +78,27 @@ def test_sparse_inputs_are_densified():
         (lambda m: setattr(m, "seq_id", 0), "seq_id must be >= 1"),
         (lambda m: m.ClearField("data"), "no datums"),
         (lambda m: m.data[0].loss_fn_inputs["weights"].__setattr__("dense", b"\x00" * 4), "does not match 1 values"),
-        (lambda m: m.data[0].model_input[0].encoded_text.__setattr__("tokens", np.array([1, 2, 999], np.int32).tobytes()), "token ids must be in"),
-        (lambda m: m.data[0].loss_fn_inputs["weights"].__setattr__("dense", np.array([1, np.nan, 1], np.float32).tobytes()), "NaN"),
+        (
+            lambda m: (
+                m.data[0].model_input[0].encoded_text.__setattr__("tokens", np.array([1, 2, 999], np.int32).tobytes())
+            ),
+            "token ids must be in",
+        ),
+        (
+            lambda m: (
+                m.data[0].loss_fn_inputs["weights"].__setattr__("dense", np.array([1, np.nan, 1], np.float32).tobytes())
+            ),
+            "NaN",
+        ),
         (lambda m: m.data[0].loss_fn_inputs["weights"].__setattr__("dense", b"\x00" * 5), "not a multiple"),
         (lambda m: m.data[0].model_input.add().image.__setattr__("data", b"png"), "'image' is not supported"),
     ],
 )
 def test_malformed_requests_name_the_problem(mutate, message):
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
     msg = pb.ForwardBackwardRequest()
     msg.ParseFromString(sdk_body([datum]))
     mutate(msg)
@@ -95,8 +107,9 @@ def test_malformed_requests_name_the_problem(mutate, message):
 
 
 def test_limits_and_garbage():
-    datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(10))),
-                        loss_fn_inputs={"target_tokens": list(range(10))})  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(10))), loss_fn_inputs={"target_tokens": list(range(10))}
+    )
     with pytest.raises(WireError, match="over the limit") as err:
         decode(sdk_body([datum] * 3), max_datums=2)
     assert err.value.status == 413

@@ -247,4 +247,3 @@ def kl_loss(
     kl = kl_estimate(logprobs, ref_logprobs.detach(), estimator)
     loss = coef * reduce_loss(kl, mask, reduction, normalizer)
     return loss, {"train/kl_ref": token_share(kl, mask, normalizer), "train/kl_loss": float(loss.detach())}
-
