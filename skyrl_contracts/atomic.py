@@ -1,8 +1,8 @@
 """Atomic files and directories: the one implementation for run directories, the orchestrator <->
 trainer exchange, checkpoints and final models.
 
-Standard library only, so the CLI and the launched backends share it (backends may import
-``skyrl_cli`` contracts, DESIGN.md; how a run-directory file appears is part of that contract).
+Standard library only, so the CLI and the launched backends share it (one of the contracts in
+``skyrl_contracts``; how a run-directory file appears is part of that contract).
 
 Files (``write_bytes`` / ``write_text`` / ``write_json``): written to a temporary file in the same
 directory, flushed and fsynced, renamed over the real name with ``os.replace``, and the directory

@@ -23,8 +23,6 @@ LearningRate = Annotated[float, Field(gt=0, le=1)]
 # "module.path:attribute"; resolved inside the process that uses it.
 ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
 
-BUILTIN_TASKS = ("addition", "reversal")
-
 
 class Section(BaseModel):
     """Base of every recipe table: immutable, unknown keys rejected."""

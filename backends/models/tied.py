@@ -26,10 +26,13 @@ keep the user's tied layout.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from skyrl_contracts.logs import setup_process_logging
 
 HEAD_SHARD = "untied-head.safetensors"  # the explicit head beside the model's own shards
 INDEX = "model.safetensors.index.json"
@@ -186,6 +189,7 @@ def write_untied_copy(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m backends.models.tied --src MODEL --out DIR``: the RL stage's setup job."""
+    setup_process_logging()
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m backends.models.tied", description=main.__doc__)
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     untied = write_untied_copy(args.src, args.out)
     how = "an untied copy (tied embeddings: the head written explicitly)" if untied else "the model itself"
-    print(f"engines serve {how}: {args.out}", flush=True)
+    logging.getLogger(__name__).info("engines serve %s: %s", how, args.out)
 
 
 if __name__ == "__main__":

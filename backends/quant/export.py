@@ -17,6 +17,7 @@ round-to-nearest of ``SRC_DIR`` into ``DIR/int4/`` (published whole), with event
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 import time
@@ -26,9 +27,11 @@ from pathlib import Path
 import torch
 
 from skyrl_contracts.atomic import publish_dir
+from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import QuantizationConfig
 
+log = logging.getLogger(__name__)
 FORMAT = "pack-quantized"
 PROCESS_NAME = "quantizer"
 
@@ -196,14 +199,14 @@ def export_after_training(run_dir: str | Path, cfg: QuantizationConfig | None, d
     report = publish_int4(paths.final, run_dir, cfg)
     if events:
         events.log(step, {**report.metrics(), "timing/export_s": time.perf_counter() - t0})
-    print(
+    log.info(
         f"INT4 export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
         f"{report.size_ratio:.3f}x the full-precision weights)",
-        flush=True,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_process_logging()
     from skyrl_contracts.events import EventWriter
 
     parser = argparse.ArgumentParser(prog="python -m backends.quant.export", description="INT4 PTQ export (W4A16).")
@@ -226,10 +229,9 @@ def main(argv: list[str] | None = None) -> None:
             events.log(0, {"progress/total_steps": 1})
         report = publish_int4(args.model, args.run_dir, cfg, for_engines=args.setup)
         events.log(0 if args.setup else 1, {**report.metrics(), "timing/export_s": time.perf_counter() - t0})
-    print(
+    log.info(
         f"INT4 PTQ export: {paths.int4} ({report.layers} layers, {report.weights_bytes / 2**20:.2f} MB, "
         f"{report.size_ratio:.3f}x {args.model})",
-        flush=True,
     )
 
 

@@ -298,8 +298,10 @@ class TakenBatch:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "async/staleness_mean": self.staleness_mean,
-            "async/staleness_max": float(self.staleness_max),
+            # versions between each group's first token and the step it is handed over for (the
+            # learner's async/staleness_* count from each sample's oldest token to the step it trains)
+            "rollout/batch_staleness_mean": self.staleness_mean,
+            "rollout/batch_staleness_max": float(self.staleness_max),
             "async/dropped_groups": float(self.dropped_since_last),
             "timing/wait_for_generation_buffer_s": self.wait_s,
         }

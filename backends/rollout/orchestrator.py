@@ -34,6 +34,7 @@ from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.events import EventWriter
+from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
 
@@ -355,7 +356,7 @@ class Orchestrator:
                 "rollout/groups": len(taken.groups),
                 "rollout/errors": self.errors,
                 "rollout/retries": self.client.retries,  # retried requests (RolloutClient counts them)
-                "timing/wait_for_batch_s": time.perf_counter() - t0,
+                "timing/take_batch_s": time.perf_counter() - t0,  # the learner's wait is timing/wait_for_batch_s
             }
             if rl.dynamic_sampling.enabled:
                 seen = taken.dropped_since_last + len(taken.groups)
@@ -485,8 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     sys.path[:0] = [p for p in args.import_path if p not in sys.path]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    setup_process_logging()
     urls = [u for u in args.engine_urls.split(",") if u]
     orchestrator = build_orchestrator(
         args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode, args.weight_sync

@@ -100,9 +100,6 @@ class Adapter:
     def parameters(self) -> list[nn.Parameter]:
         return [p for pair in self.weights.values() for p in pair]
 
-    def has_grad(self) -> bool:
-        return any(p.grad is not None for p in self.parameters())
-
 
 @dataclass(frozen=True)
 class DatumIn:

@@ -60,11 +60,6 @@ class FinishSessionRequest(Body):
     detail: str | None = None
 
 
-class TelemetryRequest(Body):
-    events: list[Any] = Field(default_factory=list)
-    session_id: str | None = None
-
-
 class LoraConfig(Body):
     rank: Annotated[int, Field(ge=1, le=4096)]
     seed: int | None = None

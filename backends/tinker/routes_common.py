@@ -188,11 +188,11 @@ class ApiContext:
 
     def submit_model_job(self, who: str, kind: str, model_id: str, seq_id: int, body) -> int:
         """The future of a model request; a repeated (model, seq_id) gets the first one's future."""
-        if self.service.trainer.failed is not None:
-            raise HttpError(503, f"the trainer failed to start: {self.service.trainer.failed}")
+        if self.service.scheduler.failed is not None:
+            raise HttpError(503, f"the trainer failed to start: {self.service.scheduler.failed}")
         rid, new = self.store.submit(who, kind, None, model_id=model_id, seq_id=seq_id, dedup=f"{model_id}#{seq_id}")
         if new:
-            self.service.trainer.submit(Job(rid, kind, who, model_id, seq_id, body))
+            self.service.scheduler.submit(Job(rid, kind, who, model_id, seq_id, body))
         return rid
 
 

@@ -28,7 +28,7 @@ CLIENT_CONFIG = {
 
 @router.get("/api/v1/healthz")
 async def healthz(ctx: Ctx):
-    return {"status": "ok" if ctx.service.trainer.failed is None else "trainer failed"}
+    return {"status": "ok" if ctx.service.scheduler.failed is None else "trainer failed"}
 
 
 @router.post("/api/v1/client/config")

@@ -72,10 +72,6 @@ class Sampler:
 
             await asyncio.gather(*(load(u) for u in missing))
 
-    def forget_engine(self, url: str) -> None:
-        for have in self._loaded.values():
-            have.discard(url)
-
     async def sample(self, job: SampleJob) -> tuple[list[Sampled], list[float | None] | None]:
         try:
             return await self._sample(job)

@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from skyrl_contracts.logs import setup_process_logging
+
 
 def load_config(path: str):
     from backends.tinker.service import ServerConfig
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="backends.tinker.server")
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_process_logging()
     config, host, port = load_config(args.config)
 
     import uvicorn
@@ -49,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
     service = TinkerService(config)
     service.start()
-    service.trainer.ready.wait()
-    if service.trainer.failed is not None:
-        print(f"tinker server: the trainer failed to start: {service.trainer.failed}", file=sys.stderr)
+    service.scheduler.ready.wait()
+    if service.scheduler.failed is not None:
+        print(f"tinker server: the trainer failed to start: {service.scheduler.failed}", file=sys.stderr)
         return 1
     app = create_app(service)
     logging.getLogger(__name__).info("tinker API on http://%s:%d serving %s", host, port, config.base_model)

@@ -99,11 +99,13 @@ class Notifier:
             event.set()
 
 
-class Trainer(threading.Thread):
-    """The trainer thread: scheduling and execution of all model requests."""
+class JobScheduler(threading.Thread):
+    """The one thread that runs model requests on the LoRA engine: it orders each model's jobs by
+    ``seq_id``, batches ready forward_backward passes across models, and runs every other job
+    through its handler (``self.handlers``, one per job kind)."""
 
     def __init__(self, service: TinkerService, engine_factory: Callable[[], Any]):
-        super().__init__(name="tinker-trainer", daemon=True)
+        super().__init__(name="tinker-scheduler", daemon=True)
         self.service = service
         self.engine_factory = engine_factory
         self.engine = None
@@ -114,6 +116,14 @@ class Trainer(threading.Thread):
         self.last_seq: dict[str, int] = {}
         self.stopping = False
         self.batch_sizes: list[int] = []  # adapters per batched pass (for tests / benchmarks)
+        self.handlers: dict[str, Callable[[Job], dict]] = {
+            "create_model": self._create_model,
+            "optim_step": self._optim_step,
+            "save_weights": self._save_weights,
+            "save_weights_for_sampler": self._save_weights_for_sampler,
+            "unload": self._unload,
+            "load_weights": self._load_weights,
+        }
 
     def submit(self, job: Job) -> None:
         with self.cond:
@@ -130,7 +140,7 @@ class Trainer(threading.Thread):
             self.engine = self.engine_factory()
         except BaseException as err:  # reported by /healthz and every request
             self.failed = err
-            log.exception("trainer failed to start")
+            log.exception("the LoRA engine failed to start")
             self.ready.set()
             return
         self.service.vocab_size = getattr(self.engine, "vocab_size", None)
@@ -145,10 +155,10 @@ class Trainer(threading.Thread):
             try:
                 self._execute(rounds)
             except Exception:  # never kill the thread: every job of the round gets an error
-                log.exception("trainer round failed")
+                log.exception("a scheduler round failed")
                 for job in [j for group in rounds for j in group]:
                     self.service.finish_error(
-                        job.request_id, "internal error in the trainer (see server log)", "Server"
+                        job.request_id, "internal error in the LoRA engine (see server log)", "Server"
                     )
 
     # --------------------------------------------------------------------------- scheduling
@@ -217,7 +227,7 @@ class Trainer(threading.Thread):
                 continue
             job = group[0]
             try:
-                result = getattr(self, f"_do_{job.kind}")(job)
+                result = self.handlers[job.kind](job)
             except (JobError, ValueError) as err:
                 self.service.finish_error(job.request_id, str(err))
                 if job.kind in ("create_model", "load_weights") and job.seq_id == 0:
@@ -263,7 +273,7 @@ class Trainer(threading.Thread):
             self.service.finish(job.request_id, out, "proto")
             self.service.store.touch_model(job.model_id)
 
-    def _do_create_model(self, job: Job) -> dict:
+    def _create_model(self, job: Job) -> dict:
         from backends.tinker.lora_engine import LoraEngine
 
         req: P.CreateModelRequest = job.body
@@ -273,7 +283,7 @@ class Trainer(threading.Thread):
         self.service.store.set_model_state(job.model_id, "live")
         return {"model_id": job.model_id, "type": "create_model"}
 
-    def _do_optim_step(self, job: Job) -> dict:
+    def _optim_step(self, job: Job) -> dict:
         req: P.OptimStepRequest = job.body
         adam = req.adam_params or P.AdamParams()
         metrics = self.engine.optim_step(
@@ -299,10 +309,10 @@ class Trainer(threading.Thread):
         svc.store.touch_model(job.model_id)
         return P.tinker_path(run_id, kind, name)
 
-    def _do_save_weights(self, job: Job) -> dict:
+    def _save_weights(self, job: Job) -> dict:
         return {"path": self._save(job, "weights", job.body.path), "type": "save_weights"}
 
-    def _do_save_weights_for_sampler(self, job: Job) -> dict:
+    def _save_weights_for_sampler(self, job: Job) -> dict:
         req: P.SaveWeightsForSamplerRequest = job.body
         if req.path is not None:
             return {"path": self._save(job, "sampler_weights", req.path), "type": "save_weights_for_sampler"}
@@ -314,12 +324,12 @@ class Trainer(threading.Thread):
         self.service.store.add_sampler(sampler_id, job.owner, model["session_id"], model["base_model"], path)
         return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-    def _do_unload(self, job: Job) -> dict:
+    def _unload(self, job: Job) -> dict:
         self.engine.drop_adapter(job.model_id)
         self.service.store.set_model_state(job.model_id, "unloaded")
         return {"model_id": job.model_id, "type": "unload_model"}
 
-    def _do_load_weights(self, job: Job) -> dict:
+    def _load_weights(self, job: Job) -> dict:
         req: P.LoadWeightsRequest = job.body
         directory = self.service.resolve_checkpoint(job.owner, req.path)
         self.engine.load(job.model_id, directory, with_optimizer=req.optimizer)
@@ -338,7 +348,7 @@ class TinkerService:
         if lost or dropped:
             log.warning("restart: %d models lost their in-memory adapters, %d pending requests failed", lost, dropped)
         self.notifier = Notifier()
-        self.trainer = Trainer(self, engine_factory or self._default_engine)
+        self.scheduler = JobScheduler(self, engine_factory or self._default_engine)
         self.sampler = None
         self.vocab_size: int | None = None
 
@@ -353,15 +363,12 @@ class TinkerService:
         )
 
     def start(self) -> None:
-        self.trainer.start()
+        self.scheduler.start()
 
     def stop(self) -> None:
-        self.trainer.stop()
-        self.trainer.join(timeout=10)
+        self.scheduler.stop()
+        self.scheduler.join(timeout=10)
         self.store.close()
-
-    def engine_ready(self) -> bool:
-        return self.trainer.ready.is_set() and self.trainer.failed is None
 
     # ---------------------------------------------------------------------------- completion
 

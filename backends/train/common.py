@@ -4,6 +4,7 @@ module dtype from ``backends.models.loading.torch_dtype``."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from skyrl_contracts.events import EventWriter
@@ -23,9 +24,9 @@ def open_events(run_dir: Path, dist) -> EventWriter | None:
 
 
 def say(dist, msg: str) -> None:
-    """Print on rank 0 only (the supervisor's log and the tests read these lines)."""
+    """Log on rank 0 only (one line each in ``logs/trainer.log``, which the tests read too)."""
     if dist.is_main:
-        print(msg, flush=True)
+        logging.getLogger("skyrl.trainer").info("%s", msg)
 
 
 class HFExporter:

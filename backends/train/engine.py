@@ -34,10 +34,6 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def on_gpu(self) -> bool:
-        return self.device.type == "cuda"
-
 
 def resolve_device(preference: str) -> str:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):

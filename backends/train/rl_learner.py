@@ -42,6 +42,7 @@ import torch
 
 from backends.train.common import HFExporter, load_recipe, open_events, say
 from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
+from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
 
 BATCH_TIMEOUT_S = 3600.0
@@ -532,6 +533,7 @@ def staleness_metrics(samples, trained_step: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_process_logging()
     from skyrl_contracts.exchange import StopRequested
 
     parser = argparse.ArgumentParser(prog="python -m backends.train.rl_learner", description=__doc__.splitlines()[0])

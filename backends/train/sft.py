@@ -21,6 +21,7 @@ import torch
 
 from backends.train.common import HFExporter, load_recipe, open_events, say
 from skyrl_contracts.atomic import publish_dir
+from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
 
@@ -276,6 +277,7 @@ class SFTTrainer:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_process_logging()
     parser = argparse.ArgumentParser(prog="python -m backends.train.sft", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")

@@ -143,7 +143,7 @@ def generation_seconds(raw: list[dict]) -> list[float]:
     for e in orch:
         if e["name"] in ("timing/sync_weights_s", "eval/accuracy"):
             opened[e["step"]] = max(opened.get(e["step"], 0.0), e["time"])
-    written = {e["step"]: e["time"] for e in orch if e["name"] == "timing/wait_for_batch_s"}
+    written = {e["step"]: e["time"] for e in orch if e["name"] == "timing/take_batch_s"}
     return [written[k + 1] - t for k, t in sorted(opened.items()) if k + 1 in written]
 
 

@@ -15,16 +15,17 @@ Options, as Typer ``Annotated`` types to put in a command's signature::
         quiet: common.QuietOpt = False,
         json_: common.JsonOpt = False,
     ) -> None:
-        machine = detect_machine()                                    # skyrl_cli.plan.machine
-        recipe_obj = common.load_for_run(recipe, set_, "sft", machine=machine)  # RecipeError (exit 2)
-        directory = common.run_dir_for(recipe_obj, "sft", run_dir)    # --run-dir or runs/<name>/sft
-        plan = build_plan(recipe_obj, "sft", directory, machine=machine)  # the same machine facts
+        mode = common.output_mode(quiet, json_)
+        machine = detect_machine()  # skyrl_cli.plan.machine: validation and the plan see the same facts
+        loaded = common.load_for_run(recipe, set_, "sft", machine=machine)  # RecipeError (exit 2)
+        directory = common.run_dir_for(loaded, "sft", run_dir).resolve()  # --run-dir or runs/<name>/sft
+        plan = build_plan(loaded, "sft", directory, resume=resume, machine=machine)
         if dry_run:
-            common.print_plan(plan, json_); return
-        RunDir(directory).prepare(recipe_obj, plan, resume=resume, overwrite=overwrite)  # skyrl_contracts.rundir
-        sinks = common.output_sinks(common.output_mode(quiet, json_), recipe_obj, directory, title="sft")
-        with FollowedRun(directory, sinks) as run:                   # skyrl_cli.metrics.follow
-            supervisor.wait_job("trainer", on_tick=run.poll)
+            common.print_plan(plan, json_)
+            return
+        summary = run_sft(loaded, plan, directory, mode, resume=resume, overwrite=overwrite)
+        # run_sft: RunDir(directory).prepare(...), common.output_sinks(mode, ...), the supervisor
+        # starting the plan, and FollowedRun feeding the sinks until the trainer exits
 
 Output modes: "live" (rich live view on stderr + summary table), "quiet" (summary table only),
 "json" (events as JSON lines on stdout, then ``{"summary": ...}``). W&B is added in every mode when

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # The recipe the smoke test takes its engine settings from when none is given.
 SMOKE_RECIPE = "quickstart"
-# vLLM starts in about 20 s on an idle 2-core machine (shared/reference/environment.md); the whole
+# vLLM starts in about 20 s on an idle 2-core machine (benchmarks/bench_engine_start.py); the whole
 # smoke test took 141 s on one at load average 11. A run's plan waits up to 600 s for an engine.
 SMOKE_TIMEOUT_S = 300.0
 

@@ -13,7 +13,7 @@ import time
 from skyrl_cli.doctor.checks import Check, failed, passed, python_child, skipped
 
 DISTRIBUTION = "skyrl-cli"
-# The Python minor versions the stack was verified on (shared/reference/environment.md).
+# The Python minor versions the stack was verified on (README, "Install").
 TESTED_PYTHON = ((3, 11),)
 # Extra requirements to check, whitespace-separated (e.g. a custom reward's packages):
 #   SKYRL_DOCTOR_REQUIRE="sympy>=1.12 my-env-lib" skyrl doctor my.toml
@@ -140,7 +140,7 @@ def check_starts() -> list[Check]:
                     failed(
                         f"{name} imports",
                         result.output,
-                        f"reinstall it: {SETUP_HINT} (see shared/reference/environment.md)",
+                        f"reinstall it: {SETUP_HINT} (it installs the tested versions from requirements/lock-cpu.txt)",
                     )
                 )
         return checks + [router.result()]

@@ -19,7 +19,7 @@ resumes), and only then does the router start, so it never sees an unready worke
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
@@ -37,7 +37,6 @@ class InferenceStack:
     router_url: str
     recovery: EngineRecovery | None = None
     scraper: MetricsScraper | None = None
-    extra: dict = field(default_factory=dict)
 
     def stop(self) -> None:
         if self.scraper is not None:

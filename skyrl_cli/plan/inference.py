@@ -28,10 +28,10 @@ Router
       sticky (round_robin, power_of_two, random) throws that away at every turn.
     - Among sticky policies, ``consistent_hash`` places sessions by hash, blind to load: on m
       engines and N sessions its busiest engine carries about ``1 + sqrt(2 ln m / (N/m))`` times
-      the mean (anchors.md), and whole groups of long sessions can pile onto one engine.
+      the mean (the balls-into-bins bound), and whole groups of long sessions can pile onto one engine.
       ``sticky_least_loaded`` places a *new* session on the engine with the fewest active
       sessions and then keeps it there (released by ``/finish_session``).
-    - Measured by others at scale (SkyRL v0.3 benchmark, anchors.md): against consistent_hash it
+    - Measured by others at scale (the SkyRL v0.3 release's routing benchmark): against consistent_hash it
       cut the step time 580 -> 302 s under moderate KV pressure (preemptions 32 -> 6, CV of
       running requests across engines 0.81 -> 0.14) and 775 -> 585 s under high pressure, and
       was only slightly behind at low pressure (287 vs 270 s); prime-rl switched to it after

@@ -1,7 +1,9 @@
 """The RL stage's plan: vLLM engines, vllm-router, the orchestrator and the torchrun learner.
 
-Process order is start order: engines (services, waited ready), the router (service), then the two
-jobs. The orchestrator and the learner meet in the run directory (``skyrl_contracts.exchange``), so the
+The plan lists the processes; ``skyrl_cli.commands.rl.run_rl`` starts them: setup jobs to their end
+(``engine-model/``, or the INT4 export), the engines with the learner beside them
+(``start_with_engines``; with NCCL it waits for them), the router, then the orchestrator. The
+orchestrator and the learner meet in the run directory (``skyrl_contracts.exchange``), so the
 plan only has to give both the same run directory, the initial policy and the URLs.
 
 Devices. On GPUs the trainer takes ``trainer.gpus`` (default: the first ``trainer.ranks`` GPUs) and

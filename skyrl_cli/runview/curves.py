@@ -1,7 +1,7 @@
 """Metric curves from a run's ``events.jsonl``, against step and against wall time.
 
-A curve is one metric of one process (``async/staleness_mean`` comes from both the orchestrator
-and the trainer, and they measure different things). Wall time is seconds since the run's first
+A curve is one metric of one process (a metric that several processes log, such as each engine's
+``engine/kv_cache_usage``, gives one curve each). Wall time is seconds since the run's first
 event. A run in progress gives the curves of its complete lines so far.
 """
 
@@ -49,7 +49,9 @@ REPORT_PANELS = (
     Panel("KL", ("train/approx_kl", "train/kl_ref")),
     Panel("logprob diff, trainer vs engine", ("train/logprob_diff",)),
     Panel("throughput (tokens/s)", ("train/tokens_per_s", "rollout/tokens_per_s", "engine/gen_tokens_per_s")),
-    Panel("staleness (policy versions)", ("async/staleness_mean", "async/staleness_max")),
+    Panel(
+        "staleness (policy versions)", ("async/staleness_mean", "async/staleness_max", "rollout/batch_staleness_mean")
+    ),
     Panel("engine KV cache use", ("engine/kv_cache_usage",)),
 )
 

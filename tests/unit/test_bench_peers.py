@@ -141,10 +141,10 @@ def test_generation_window_from_orchestrator_events():
 
     raw = [
         ev(10.0, 0, "eval/accuracy"),  # v0 evaluated: generation of batch 0 opens
-        ev(12.5, 1, "timing/wait_for_batch_s"),  # batch 0 written
+        ev(12.5, 1, "timing/take_batch_s"),  # batch 0 written
         ev(14.0, 1, "timing/sync_weights_s"),  # engines on v1
         ev(14.1, 1, "timing/wait_for_batch_s", "trainer"),  # the learner's own wait: not generation
-        ev(15.0, 2, "timing/wait_for_batch_s"),  # batch 1 written
+        ev(15.0, 2, "timing/take_batch_s"),  # batch 1 written
         ev(16.0, 2, "timing/sync_weights_s"),  # v2 synced, the run ended before batch 2
     ]
     assert skyrl_side.generation_seconds(raw) == [2.5, 1.0]

@@ -256,8 +256,3 @@ def test_sum_over_micro_batches_equals_whole_batch(kind, reduction):
         assert metrics.keys() == whole_metrics.keys()
         for key, value in whole_metrics.items():
             assert metrics[key] == pytest.approx(value, abs=1e-6), key
-
-
-def test_normalizer_all_reduce_is_identity_without_distributed():
-    norm = LossNormalizer(5.0, 2.0, 9)
-    assert norm.all_reduce() == norm

@@ -119,4 +119,4 @@ def test_load_object_errors_are_usage_errors(ref, message):
 
 def test_load_reward_fn_rejects_non_callable():
     with pytest.raises(UsageError, match="not callable"):
-        load_reward_fn("skyrl_contracts.schema:BUILTIN_TASKS")  # a tuple
+        load_reward_fn("skyrl_contracts.engine_api:SERVED_MODEL_NAME")  # a string

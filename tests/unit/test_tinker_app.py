@@ -59,7 +59,7 @@ def client(tmp_path):
     )
     service = TinkerService(config, engine_factory=FakeEngine)
     service.start()
-    service.trainer.ready.wait(10)
+    service.scheduler.ready.wait(10)
     with TestClient(create_app(service)) as http:
         yield http
     service.stop()
@@ -303,16 +303,16 @@ def test_a_session_without_heartbeats_ends_and_frees_its_adapters(tmp_path):
     )
     service = TinkerService(config, engine_factory=FakeEngine)
     service.start()
-    service.trainer.ready.wait(10)
+    service.scheduler.ready.wait(10)
     try:
         with TestClient(create_app(service)) as http:
             model_id, session = new_model(http)
-            assert model_id in service.trainer.engine.adapters
+            assert model_id in service.scheduler.engine.adapters
             deadline = time.monotonic() + 10
             while service.store.model(model_id)["state"] != "unloaded" and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert service.store.model(model_id)["state"] == "unloaded"
-            assert model_id not in service.trainer.engine.adapters
+            assert model_id not in service.scheduler.engine.adapters
             assert service.store.session(session)["finished"] == 1
             r = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}}, headers=A)
             assert r.status_code == 400 and "heartbeat" in r.json()["detail"]

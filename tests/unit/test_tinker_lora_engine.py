@@ -153,7 +153,7 @@ def test_scheduler_batches_adapters_and_keeps_seq_order(model_dir, tmp_path):
         base_model="tiny", model_dir=str(model_dir), storage_dir=str(tmp_path / "st"), api_keys=frozenset({"tml-a"})
     )
     service = TinkerService(config)
-    trainer = service.trainer
+    trainer = service.scheduler
     trainer.engine = LoraEngine(model_dir, 8, 4)
     for m in ("m1", "m2", "m3"):
         trainer.engine.create_adapter(m, 4, ["q_proj", "v_proj"], 0)

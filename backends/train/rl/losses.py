@@ -3,7 +3,8 @@
 Why a global normaliser: with dynamic micro-batching the same mini-batch is cut into a different
 number of micro-batches every step (and across data-parallel ranks). If each micro-batch divided by
 its own token count, the gradient would depend on the cut. Instead the caller computes one
-``LossNormalizer`` for the mini-batch *before* splitting (all-reduced over ranks), and every
+``LossNormalizer`` for the mini-batch *before* splitting (every rank derives the same one from the
+whole batch, which every rank reads), and every
 micro-batch returns its *share*: ``sum(its terms) / global denominator``. Summing the shares
 (gradient accumulation over micro-batches, then the data-parallel all-reduce SUM of gradients)
 gives exactly the whole-batch loss. NOTE: DeepSpeed/DDP *average* gradients over ranks; multiply
@@ -52,18 +53,6 @@ class LossNormalizer:
             tokens += float(mask.sum())
             sequences += float((mask.sum(dim=-1) > 0).sum())
         return cls(tokens, sequences, max_seq_len)
-
-    def all_reduce(self, group=None) -> "LossNormalizer":
-        """Sum the denominators over data-parallel ranks (no-op without torch.distributed)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        counts = torch.tensor([self.tokens, self.sequences], dtype=torch.float64)
-        if dist.get_backend(group) == "nccl":
-            counts = counts.cuda()
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-        return LossNormalizer(float(counts[0]), float(counts[1]), self.max_seq_len)
 
 
 def reduce_loss(
