@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
 
 import httpx
 
@@ -318,12 +318,34 @@ async def bring_up_to_date(engine_urls: Sequence[str], current: CurrentWeights |
     return await sync_weights(engine_urls, current.path, current.version)
 
 
+class EngineWeightLoader(Protocol):
+    """The orchestrator's side of the weight sync, one class per transport (``backends.rollout.orchestrator.engine_weights``,
+    chosen by the plan's ``weight_sync``; the learner's side is ``backends.train.publish``)."""
+
+    loads_initial_version: bool  # True: v0 is loaded like every version; False: the engines started on it
+
+    async def label_initial(self) -> None:
+        """Label the engines' own weights version 0 (``loads_initial_version`` False)."""
+
+    def model_name(self, version: int) -> str:
+        """What a rollout request names to sample from ``version``."""
+
+    async def load(self, version: int, weights_dir: str | os.PathLike) -> WeightSyncResult:
+        """Every engine onto ``version`` (published in ``weights_dir``)."""
+
+    async def retire(self, in_flight: Mapping[str, int]) -> list[int]:
+        """Versions unloaded now that no request in flight names them."""
+
+    def held(self) -> frozenset[int]:
+        """Versions whose directories the engines may still read."""
+
+
 class EngineWeights:
     """The orchestrator's view of the engines' weights: label the initial policy, load a published
     version. ``weights/current.json`` is recorded before each load, so an engine that the recovery
     loop restarts meanwhile loads the same version (``skyrl_cli.engines.recovery``)."""
 
-    lora = False  # v0 is the engines' own weights: labelled, not loaded
+    loads_initial_version = False  # v0 is the engines' own weights: labelled, not loaded
 
     def __init__(self, engine_urls: Sequence[str], run_dir: str | os.PathLike, *, reset_prefix_cache: bool = False):
         self.engine_urls = list(engine_urls)
@@ -380,7 +402,7 @@ class EngineAdapters:
     ``max_staleness + 2`` (async) or 2 (sync) are loaded at once, the ``--max-loras`` of the launch
     plan (past it a request would wait for an engine slot, not fail)."""
 
-    lora = True  # v0 is an adapter too: loaded like every other version
+    loads_initial_version = True  # v0 is an adapter too: loaded like every other version
 
     def __init__(self, engine_urls: Sequence[str], run_dir: str | os.PathLike):
         self.engine_urls = list(engine_urls)

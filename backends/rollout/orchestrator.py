@@ -389,7 +389,7 @@ class Orchestrator:
         buffer = self.restore_buffer()
         async with self.open_client() as client:
             self.client = client
-            if self.start > 0 or self.engines.lora:  # LoRA: v0 is an adapter too
+            if self.start > 0 or self.engines.loads_initial_version:  # LoRA: v0 is an adapter too
                 await self.sync_engines(self.start)
             else:
                 await self.engines.label_initial()
@@ -453,17 +453,19 @@ def build_orchestrator(
 
 
 def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
-    """The engines' weight loader: adapters (LoRA), NCCL transfers with disk versions in between, or disk."""
+    """The engines' weight loader for the plan's transport (``backends.rollout.orchestrator.engine_weights``)."""
     from backends.inference.nccl_sync import NcclEngineWeights
     from backends.inference.weight_sync import EngineAdapters, EngineWeights
     from skyrl_contracts.exchange import RunExchange
 
     reset = recipe.rl.async_.reset_prefix_cache
-    if recipe.model.lora is not None:
-        return EngineAdapters(engine_urls, run_dir)
-    if weight_sync == "nccl":
-        return NcclEngineWeights(engine_urls, run_dir, RunExchange(run_dir), reset_prefix_cache=reset)
-    return EngineWeights(engine_urls, run_dir, reset_prefix_cache=reset)
+    loaders = {
+        "disk": lambda: EngineWeights(engine_urls, run_dir, reset_prefix_cache=reset),
+        "int4": lambda: EngineWeights(engine_urls, run_dir, reset_prefix_cache=reset),  # W4A16 versions, reloaded
+        "lora": lambda: EngineAdapters(engine_urls, run_dir),
+        "nccl": lambda: NcclEngineWeights(engine_urls, run_dir, RunExchange(run_dir), reset_prefix_cache=reset),
+    }
+    return loaders[weight_sync]()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -477,7 +479,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router-url", required=True)
     parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
     parser.add_argument("--async", dest="async_mode", action="store_true")
-    parser.add_argument("--weight-sync", choices=("nccl", "disk", "lora"), default="disk", help="the plan's choice")
+    parser.add_argument(
+        "--weight-sync", choices=("nccl", "disk", "lora", "int4"), default="disk", help="the plan's transport"
+    )
     parser.add_argument(
         "--import-path",
         action="append",

@@ -173,6 +173,7 @@ class Learner:
         run_dir: Path,
         init_from: Path,
         resume: bool,
+        weight_sync: str = "disk",
         nccl: NcclTarget | None = None,
         engine_dtype: str = "bfloat16",
     ):
@@ -235,7 +236,12 @@ class Learner:
         floor = sync_gap_floor(engine_dtype, quant is not None and quant.int4_rollouts and not quant.int4_qat)
         self.gap_check = None if floor is None else SyncGapCheck(floor)
         self.gap_warned = False
-        self.transfer = self._open_transfer(nccl)
+        from backends.train.publish import weight_publisher
+
+        self.sender = self._open_transfer(nccl)
+        self.publisher = weight_publisher(
+            weight_sync, self.exchange, self.dist, self.export, recipe, self.start_step, lambda: self.sender
+        )
         self.last_send_s: float | None = None
 
     def _with_adapter(self, model):
@@ -397,34 +403,13 @@ class Learner:
 
     # ----------------------------------------------------------------------------- the loop
     def publish(self, version: int) -> None:
-        """``weights/v<k>``: over NCCL (rank 0 sends, the orchestrator pauses and resumes the
-        engines) or as files. The starting version always goes as files: it is what a restarted
-        engine or a resumed run loads."""
+        """``weights/v<k>`` for the engines, by the plan's transport (``backends.train.publish``);
+        every rank takes part, and all meet at the barrier after it."""
         import torch.distributed as tdist
 
-        if self.transfer is not None and version != self.start_step:
-            self.last_send_s = self.transfer.publish(version)
-        elif self.recipe.trainer.zero_stage == 3 or self.dist.is_main:
-            if self.dist.is_main:
-                with self.exchange.publish_weights(version) as out:
-                    self._write_version(out)
-            else:
-                self.export(self.run_dir / ".unused")  # collective gather; rank 0 writes
+        self.last_send_s = self.publisher.publish(version)
         if tdist.is_initialized():
             tdist.barrier()
-
-    def _write_version(self, out: Path) -> None:
-        """What the engines load: the adapter alone (LoRA), the W4A16 export (INT4 rollouts), or the
-        HF model; the last two with a tied head written out (``backends.models.tied``)."""
-        quant = self.recipe.quantization
-        if self.lora is not None:
-            self.export.adapter(out)
-        elif quant is not None and quant.int4_rollouts:
-            from backends.quant.export import export_version
-
-            export_version(self.export, out, quant)
-        else:
-            self.export.for_engines(out)
 
     def _sync_gap_check(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """``SYNC_GAP`` when an on-policy step's logprob gap exceeds what numerics allow
@@ -540,7 +525,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--init-from", required=True, type=Path, help="HF model directory of the initial policy")
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--weight-sync", choices=("nccl", "disk", "lora"), default="disk", help="the plan's choice")
+    parser.add_argument(
+        "--weight-sync", choices=("nccl", "disk", "lora", "int4"), default="disk", help="the plan's transport"
+    )
     parser.add_argument("--engine-urls", default="", help="nccl: comma-separated engines to send to")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="nccl: GPUs per engine")
     parser.add_argument("--nccl-address", default="", help="nccl: host:port of the NCCL group's rendezvous")
@@ -551,7 +538,9 @@ def main(argv: list[str] | None = None) -> None:
     nccl = None
     if args.weight_sync == "nccl":
         nccl = NcclTarget(tuple(u for u in args.engine_urls.split(",") if u), args.tensor_parallel, args.nccl_address)
-    learner = Learner(args.run_dir.resolve(), args.init_from.resolve(), args.resume, nccl, args.engine_dtype)
+    learner = Learner(
+        args.run_dir.resolve(), args.init_from.resolve(), args.resume, args.weight_sync, nccl, args.engine_dtype
+    )
     try:
         learner.run()
     except StopRequested as stop:
@@ -561,8 +550,8 @@ def main(argv: list[str] | None = None) -> None:
         learner.exchange.request_stop(f"trainer failed: {type(err).__name__}: {err}")
         raise
     finally:
-        if learner.transfer is not None:
-            learner.transfer.close()
+        if learner.sender is not None:
+            learner.sender.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

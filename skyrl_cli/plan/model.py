@@ -53,4 +53,4 @@ class LaunchPlan(Frozen):
     router_url: str | None = None
     processes: tuple[ProcessSpec, ...] = ()
     # RL: how policy versions reach the engines (skyrl_cli.plan.weight_sync); None for other stages.
-    weight_sync: Literal["nccl", "disk", "lora"] | None = None
+    weight_sync: Literal["nccl", "disk", "lora", "int4"] | None = None

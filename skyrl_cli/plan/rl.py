@@ -95,12 +95,13 @@ UNTIE_MODULE = "backends.models.tied"
 
 
 def engine_model_setup(
-    recipe: Recipe, run_dir: Path, init_from: Path, machine: MachineFacts
+    weight_sync: str, run_dir: Path, init_from: Path, machine: MachineFacts
 ) -> tuple[tuple[ProcessSpec, ...], Path]:
     """The model the engines start from, and the setup job that makes it. Returns (setup jobs, model).
 
-    - LoRA: ``init_from`` itself (its weights never reload; versions are adapters).
-    - ``quantization.int4_rollouts``: the engines serve W4A16 from the start; a setup job exports
+    By the plan's ``weight_sync``:
+    - "lora": ``init_from`` itself (its weights never reload; versions are adapters).
+    - "int4" (``quantization.int4_rollouts``): the engines serve W4A16 from the start; a setup job exports
       the initial policy into ``int4/`` (every later version comes from the learner, exported).
     - Otherwise ``engine-model/``, links to ``init_from``'s files, with a tied model served untied
       (``backends.models.tied``: vLLM's in-place reload keeps a tied head at its first weights).
@@ -109,9 +110,9 @@ def engine_model_setup(
     from skyrl_cli.plan.quantize import ptq_spec
     from skyrl_contracts.rundir import RunDir
 
-    if recipe.model.lora is not None:
+    if weight_sync == "lora":
         return (), init_from
-    if recipe.quantization is not None and recipe.quantization.int4_rollouts:
+    if weight_sync == "int4":
         spec = ptq_spec(run_dir, str(init_from), machine)
         spec = spec.model_copy(update={"kind": "setup", "argv": (*spec.argv, "--setup")})
         return (spec,), RunDir(run_dir).int4
@@ -134,7 +135,7 @@ def plan_rl(
     ports = machine.free_ports(inf.engines + 4)
     engine_ports, (router_port, prometheus_port, rdzv_port, nccl_port) = ports[: inf.engines], ports[inf.engines :]
     router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
-    setup, served = engine_model_setup(recipe, run_dir, init_from, machine)
+    setup, served = engine_model_setup(weight_sync, run_dir, init_from, machine)
     engines = engine_specs(recipe, inf_machine, engine_ports, str(served), async_mode, weight_sync)
     urls = all_engine_urls(recipe, inf_machine, engine_ports)
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
@@ -175,10 +176,11 @@ def plan_rl(
 def learner_sync_args(
     recipe: Recipe, weight_sync: str, engine_urls: list[str], host: str, port: int
 ) -> tuple[str, ...]:
-    """The learner's side of the NCCL sync: rank 0 opens the group at ``host:port`` (the rendezvous
-    of the trainer's sender and every engine worker) and drives the engines' transfer routes."""
+    """The learner's transport (``backends.train.publish``); for NCCL also where rank 0 opens the group
+    (``host:port``, the rendezvous of the trainer's sender and every engine worker) and the engines
+    whose transfer routes it drives."""
     if weight_sync != "nccl":
-        return ()
+        return ("--weight-sync", weight_sync)
     return (
         "--weight-sync",
         "nccl",

@@ -9,6 +9,8 @@ once, when the plan is made, and recorded in it (``LaunchPlan.weight_sync``):
   everywhere, and the fallback when the NCCL group cannot be set up at run time.
 - ``"lora"``: with ``[model.lora]`` each version is an adapter loaded under its own name, whatever
   the key says (an adapter is a fraction of the weights; there is nothing to broadcast).
+- ``"int4"``: with ``quantization.int4_rollouts`` each version is its W4A16 export, reloaded from
+  disk like ``"disk"``.
 
 ``"auto"`` (the default) is "nccl" where all of its conditions hold, else "disk". An explicit
 ``"nccl"`` that cannot hold is a recipe error (``weight_sync_problems``), never a silent disk run.
@@ -25,7 +27,7 @@ from skyrl_cli.plan.trainer import trainer_device
 from skyrl_cli.recipe.validate import Problem
 from skyrl_contracts.schema import Recipe
 
-WeightSync = Literal["nccl", "disk", "lora"]
+WeightSync = Literal["nccl", "disk", "lora", "int4"]
 KEY = ("inference", "weight_sync")
 # The files of vLLM that the NCCL path uses: the trainer-side engine and the engines' HTTP routes.
 VLLM_TRANSFER_FILES = ("distributed/weight_transfer/nccl_engine.py", "entrypoints/rl/online/api_router.py")
@@ -65,8 +67,12 @@ def nccl_obstacles(recipe: Recipe, device: str, transfer_available: bool) -> lis
 
 
 def select_weight_sync(recipe: Recipe, device: str, transfer_available: bool) -> WeightSync:
+    """The run's one choice of transport: both the learner (``backends.train.publish``) and the
+    orchestrator (``backends.rollout.orchestrator.engine_weights``) act on it, nothing else."""
     if recipe.model.lora is not None:
         return "lora"
+    if recipe.quantization is not None and recipe.quantization.int4_rollouts:
+        return "int4"
     if recipe.inference.weight_sync == "disk":
         return "disk"
     return "disk" if nccl_obstacles(recipe, device, transfer_available) else "nccl"

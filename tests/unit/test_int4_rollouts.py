@@ -56,7 +56,7 @@ def test_the_engines_start_from_the_int4_export_of_the_initial_policy(tmp_path):
     # the learner and the orchestrator still start from the full-precision policy
     learner, orchestrator = (next(p for p in rest if p.role == r) for r in ("trainer", "orchestrator"))
     assert "/models/policy" in learner.argv and "/models/policy" in orchestrator.argv
-    assert plan.weight_sync == "disk"
+    assert plan.weight_sync == "int4"  # W4A16 versions through the disk reload
     json.loads(plan.model_dump_json())  # plan.json still serialises
 
 
@@ -73,7 +73,7 @@ def test_without_int4_rollouts_the_engines_start_from_the_engine_model(tmp_path)
 
 def test_int4_rollouts_never_take_the_nccl_path():
     r = recipe({"int4_rollouts": True}, trainer={"device": "cuda"})
-    assert select_weight_sync(r, "cuda", transfer_available=True) == "disk"
+    assert select_weight_sync(r, "cuda", transfer_available=True) == "int4"
     assert any("INT4" in why for why in nccl_obstacles(r, "cuda", True))
     assert select_weight_sync(recipe({"int4_qat": True}), "cuda", transfer_available=True) == "nccl"
 

@@ -60,7 +60,7 @@ from skyrl_contracts.schema import Recipe  # noqa: E402
 class FakeEngines:
     """Records what the orchestrator loads; the fake client samples with the version loaded last."""
 
-    lora = False
+    loads_initial_version = False
 
     def __init__(self):
         self.version = "unlabelled"
