@@ -4,7 +4,10 @@
 --engine-urls URL,URL [--async]``
 
 ``Orchestrator`` takes everything it talks to as arguments (a rollout client factory, the engines'
-weight loader, the exchange, the event writer), so a unit test drives it with recording fakes;
+weight loader, the exchange, the event writer), so a unit test drives it with recording fakes, and
+runs four components with one job each: ``Rollouts`` (trajectories and the generation workers),
+``Evaluation`` (held-out accuracy), ``EngineSync`` (versions into the engines) and ``TrainerFeed``
+(batches to the learner);
 ``build_orchestrator`` wires the real ones from the run directory. It starts from the version the
 learner publishes first (``weights/LATEST``: 0, or a resumed checkpoint's step). Progress goes to
 the ``skyrl.orchestrator`` logger and to metric events, never to ``print``.
@@ -16,8 +19,9 @@ takes batches from the buffer and writes them to ``batches/step-<k>.json`` for t
 watcher waits for each version the learner publishes (``weights/v<k>``), pushes it to every engine
 (pause in ``keep`` mode, reload, label, resume: in-flight trajectories continue under the new
 weights and record both versions; with ``--weight-sync nccl`` the learner broadcasts the weights
-between that pause and resume instead of the reload, ``backends.inference.nccl_sync``; with LoRA each version is an adapter loaded under its own name
-and requests name the current one, see ``sync_engines``), then opens the buffer to that version,
+between that pause and resume instead of the reload, ``backends.inference.nccl_sync``; with LoRA
+each version is an adapter loaded under its own name and requests name the current one, see
+``EngineSync``), then opens the buffer to that version,
 and evaluates on the held-out split by greedy decoding through the engines when an evaluation is due.
 """
 
@@ -81,47 +85,30 @@ def encode_observation(tokenizer, messages) -> list[int]:
     return ids
 
 
-class Orchestrator:
-    def __init__(
-        self,
-        recipe: Recipe,
-        *,
-        tokenizer,
-        rows: tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]],
-        open_client: Callable[[], AsyncContextManager],
-        engines,
-        exchange,
-        events,
-        async_mode: bool,
-    ):
-        """``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
-        router); ``engines``: an ``EngineWeights`` or, with LoRA, ``EngineAdapters`` (admin calls to
-        every engine); ``exchange``: the ``RunExchange`` with the learner; ``events``: an
-        ``EventWriter``; ``rows``: (train, eval)."""
+class Rollouts:
+    """Trajectories through the router under the rollout client it was given: a group of
+    ``samples_per_prompt`` per prompt for training (``worker`` fills the buffer with them) and single
+    episodes for evaluation; it counts the failed samples and the tokens generated since ``window``."""
+
+    def __init__(self, recipe: Recipe, tokenizer, train_rows: Sequence[Mapping[str, Any]], client, paths: RunDir):
         from backends.rollout.environments import environment_factory
         from backends.rollout.rewards import GuardedCaller
 
-        self.recipe, self.rl = recipe, recipe.rl
-        self.async_mode = async_mode
-        self.staleness = self.rl.async_.max_staleness if async_mode else 0
-        self.tokenizer = tokenizer
+        self.rl, self.tokenizer, self.train_rows, self.client, self.paths = (
+            recipe.rl,
+            tokenizer,
+            train_rows,
+            client,
+            paths,
+        )
         self.stop_ids = [t for t in (tokenizer.eos_token_id,) if t is not None]
-        self.train_rows, self.eval_rows = list(rows[0]), list(rows[1])
-        self.open_client, self.engines, self.exchange, self.events = open_client, engines, exchange, events
-        self.paths: RunDir = exchange.paths
         self.make_env = environment_factory(recipe)
         self.caller = GuardedCaller(self.rl.reward_timeout_s)
-        self.client = None  # the open RolloutClient while run() is under way
-        self.start = 0  # the first version the learner publishes, known once run() has waited for it
-        self.version = 0
         self.errors = 0
         self.window_tokens = 0
         self.window_started = time.perf_counter()
 
-    # ------------------------------------------------------------------------------ rollouts
-    async def rollout(
-        self, client, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0
-    ):
+    async def rollout(self, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0):
         """One trajectory: (session, episode). ``first_turn``: the group's ``SharedFirstTurn``, which
         samples turn 0 of all its trajectories together. The session's router pin is always released."""
         from backends.data.chat import encode_prompt
@@ -133,7 +120,7 @@ class Orchestrator:
         async def generate(new_messages, turn: int) -> str:
             nonlocal session
             if turn == 0:
-                session = RolloutSession(client, encode_prompt(self.tokenizer, new_messages), session_id)
+                session = RolloutSession(self.client, encode_prompt(self.tokenizer, new_messages), session_id)
                 if first_turn is not None:
                     completion = await first_turn.take(index, session)
                     return self.decode(completion)
@@ -156,17 +143,17 @@ class Orchestrator:
     def decode(self, completion) -> str:
         return "" if completion is None else self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
-    async def generate_group(self, client, ref, start_version: int):
+    async def generate_group(self, ref, start_version: int):
         from backends.rollout.batch import Group, Sample
         from backends.rollout.session import SharedFirstTurn
 
         row = self.train_rows[ref.index]
         k = self.rl.samples_per_prompt
         first_turn = SharedFirstTurn(
-            client, k, ref.uid, self.rl.max_new_tokens, self.rl.temperature, stop_token_ids=self.stop_ids
+            self.client, k, ref.uid, self.rl.max_new_tokens, self.rl.temperature, stop_token_ids=self.stop_ids
         )
         results = await asyncio.gather(
-            *(self.rollout(client, row, f"{ref.uid}_{i}", self.rl.temperature, first_turn, i) for i in range(k))
+            *(self.rollout(row, f"{ref.uid}_{i}", self.rl.temperature, first_turn, i) for i in range(k))
         )
         samples = []
         for i, (session, episode) in enumerate(results):
@@ -205,13 +192,13 @@ class Orchestrator:
         with open(self.paths.sample_errors, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
 
-    async def worker(self, client, buffer) -> None:
+    async def worker(self, buffer) -> None:
         from backends.rollout.client import RolloutError
 
         while (slot := await buffer.start_group()) is not None:
             ref, version = slot
             try:
-                group = await self.generate_group(client, ref, version)
+                group = await self.generate_group(ref, version)
             except RolloutError as err:
                 log.warning("group %s failed, drawn again later: %s", ref.uid, err)
                 await buffer.abort_group(ref, version)
@@ -219,32 +206,55 @@ class Orchestrator:
                 continue
             await buffer.finish_group(group)
 
-    # ------------------------------------------------------------------------------ evaluation
-    async def evaluate(self, client, version: int) -> float:
-        """Greedy accuracy on the held-out rows. Their first turns go in batches of an engine's
-        ``max_num_seqs`` prompts (one request each: ~10x faster than a request per prompt on CPU)."""
+    def window(self) -> dict[str, float]:
+        """Generation figures since the last call (rollout tokens/s), and the run's totals."""
+        elapsed = time.perf_counter() - self.window_started
+        figures = {
+            "rollout/tokens_per_s": self.window_tokens / max(elapsed, 1e-9),
+            "rollout/errors": self.errors,
+            "rollout/retries": self.client.retries,  # retried requests (RolloutClient counts them)
+        }
+        self.window_tokens, self.window_started = 0, time.perf_counter()
+        return figures
+
+
+class Evaluation:
+    """Greedy accuracy on the held-out rows, through the engines. Their first turns go in batches of
+    an engine's ``max_num_seqs`` prompts (one request each: ~10x faster than a request per prompt on CPU)."""
+
+    def __init__(
+        self, recipe: Recipe, rollouts: Rollouts, eval_rows: Sequence[Mapping[str, Any]], events, paths: RunDir
+    ):
+        self.recipe, self.rl, self.rollouts, self.eval_rows = recipe, recipe.rl, rollouts, eval_rows
+        self.events, self.paths = events, paths
+
+    def due(self, version: int, first_version: int) -> bool:
+        every = self.rl.eval_every
+        return version == first_version or version == self.rl.steps or bool(every and version % every == 0)
+
+    async def evaluate(self, version: int) -> float:
         from backends.rollout.session import SharedFirstTurn
 
         t0 = time.perf_counter()
         first_turns = SharedFirstTurn(
-            client,
+            self.rollouts.client,
             len(self.eval_rows),
             f"eval-v{version}",
             self.rl.max_new_tokens,
             0.0,
             batch_size=self.recipe.inference.max_num_seqs,
-            stop_token_ids=self.stop_ids,
+            stop_token_ids=self.rollouts.stop_ids,
         )
         results = await asyncio.gather(
             *(
-                self.rollout(client, row, f"eval-v{version}-{i}", 0.0, first_turns, i)
+                self.rollouts.rollout(row, f"eval-v{version}-{i}", 0.0, first_turns, i)
                 for i, row in enumerate(self.eval_rows)
             )
         )
         accuracy = sum(ep.reward for _, ep in results) / max(1, len(results))
         failed = [(i, ep) for i, (_, ep) in enumerate(results) if ep.error]
         for i, episode in failed:  # recorded, not counted in rollout/errors (the training samples' count)
-            self.record_error(f"eval-v{version}-{i}", version, episode, count=False)
+            self.rollouts.record_error(f"eval-v{version}-{i}", version, episode, count=False)
         metrics = {"eval/accuracy": accuracy, "eval/errors": len(failed), "timing/eval_s": time.perf_counter() - t0}
         if version == 0 or self.paths.initial_accuracy() is None:
             metrics["eval/accuracy_initial"] = accuracy
@@ -253,43 +263,35 @@ class Orchestrator:
         log.info("eval at version %d: accuracy %.4f (%d prompts)", version, accuracy, len(results))
         return accuracy
 
-    def eval_due(self, version: int) -> bool:
-        every = self.rl.eval_every
-        return version == self.start or version == self.rl.steps or bool(every and version % every == 0)
 
-    # ------------------------------------------------------------------------------ weights
-    async def watch_weights(self, client, buffer) -> None:
-        """Push every version the learner publishes to the engines, then admit generation on it."""
-        while self.version < self.rl.steps:
-            latest = self.exchange.latest_version()
-            if latest is None or latest <= self.version:
-                if self.exchange.stop_reason():
-                    return
-                await asyncio.sleep(0.05)
-                continue
-            await self.sync_engines(latest)
-            self.version = latest
-            if self.eval_due(latest):
-                await self.evaluate(client, latest)
-            self.save_state(buffer, latest)
-            await buffer.publish_version(latest)
+class EngineSync:
+    """Every engine onto a version the learner published, through the plan's loader
+    (``EngineWeightLoader``); older published versions the engines no longer hold are deleted.
 
-    async def sync_engines(self, version: int) -> None:
-        """Every engine onto ``version``, new requests onto its model name; then older published
-        versions the engines no longer hold are deleted.
+    LoRA: versions that no request in flight names are unloaded before the load (so no more than
+    ``--max-loras`` are ever loaded) and again after it (the previous one, once idle); a version
+    still in use keeps its adapter and directory until a later sync finds it idle."""
 
-        LoRA: versions that no request in flight names are unloaded before the load (so no more
-        than ``--max-loras`` are ever loaded) and again after it (the previous one, once idle); a
-        version still in use keeps its adapter and directory until a later sync finds it idle."""
+    def __init__(self, engines, exchange, events):
+        self.engines, self.exchange, self.events = engines, exchange, events
+
+    async def start(self, version: int, in_flight: Mapping[str, int]) -> str:
+        """The run's first version: loaded, or (the engines started on it) only labelled."""
+        if version > 0 or self.engines.loads_initial_version:  # LoRA: v0 is an adapter too
+            return await self.load(version, in_flight)
+        await self.engines.label_initial()
+        return self.engines.model_name(version)
+
+    async def load(self, version: int, in_flight: Mapping[str, int]) -> str:
+        """Load ``version``; returns the model name requests sample it with."""
         t0 = time.perf_counter()
-        await self.engines.retire(self.in_flight())
+        await self.engines.retire(in_flight)
         result = await self.load_when_reachable(version)
-        if self.client is not None:
-            self.client.model = self.engines.model_name(version)
-        await self.engines.retire(self.in_flight())
+        await self.engines.retire(in_flight)
         log.info("engines on policy version %d (%.3f s)", version, result.seconds)
         self.events.log(version, {"timing/sync_weights_s": time.perf_counter() - t0, "weights/version": version})
         self.exchange.prune_weights_before(version, keep=self.engines.held())
+        return self.engines.model_name(version)
 
     async def load_when_reachable(self, version: int, timeout_s: float = ENGINES_BACK_TIMEOUT_S):
         """``engines.load``, again every few seconds while no engine answers: engine recovery is
@@ -306,36 +308,17 @@ class Orchestrator:
                 log.warning("%s; waiting for engine recovery", err)
                 await asyncio.sleep(2.0)
 
-    def in_flight(self) -> Mapping[str, int]:
-        """Requests under way per model name (the rollout client counts them)."""
-        return self.client.in_flight if self.client is not None else {}
 
-    def save_state(self, buffer, version: int) -> None:
-        """Buffer state for a checkpoint the learner writes at the same version."""
-        every = self.rl.save_every
-        if not ((every and version % every == 0) or version == self.rl.steps):
-            return
-        write_json(self.paths.orchestrator_state_at(version), buffer.state_dict(trained_batches=version), indent=None)
+class TrainerFeed:
+    """Batches from the buffer to the learner (``batches/step-<k>.json``), with the step's rollout figures."""
 
-    def restore_buffer(self):
-        from backends.rollout.buffer import AsyncGroupBuffer, PromptSampler
+    def __init__(self, recipe: Recipe, exchange, events, generation_figures: Callable[[], dict[str, float]]):
+        self.rl, self.exchange, self.events, self.generation_figures = recipe.rl, exchange, events, generation_figures
 
-        drop = self.rl.dynamic_sampling.enabled
-        batch = self.rl.prompts_per_step
-        state_file = self.paths.orchestrator_state_at(self.start)
-        if self.start > 0 and state_file.exists():
-            return AsyncGroupBuffer.from_state(
-                json.loads(state_file.read_text()), batch, self.staleness, drop_zero_variance=drop
-            )
-        sampler = PromptSampler(len(self.train_rows), self.recipe.seed)
-        return AsyncGroupBuffer(sampler, batch, self.staleness, drop_zero_variance=drop, version=self.start)
-
-    # ------------------------------------------------------------------------------ the loop
-    async def feed_trainer(self, buffer) -> None:
+    async def run(self, buffer, first_step: int) -> None:
         from backends.rollout.batch import flatten
 
-        rl = self.rl
-        for step in range(self.start, rl.steps):
+        for step in range(first_step, self.rl.steps):
             t0 = time.perf_counter()
             taken = await self.take_batch(buffer)
             if taken is None:
@@ -344,25 +327,21 @@ class Orchestrator:
             self.exchange.write_batch(step, {"step": step, "samples": [s.to_dict() for s in samples]})
             # The data order, for a reader of the log (a resumed run draws the same prompts).
             log.info("batch %d: prompts %s", step, " ".join(sorted(g.prompt_uid for g in taken.groups)))
-            elapsed = time.perf_counter() - self.window_started
             rewards = [s.reward for s in samples]
             metrics = {
                 **taken.metrics(),
                 **buffer.fill(),
-                "rollout/tokens_per_s": self.window_tokens / max(elapsed, 1e-9),
+                **self.generation_figures(),
                 "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
                 "rollout/response_len": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
                 "rollout/turns_mean": sum(s.num_turns for s in samples) / max(1, len(samples)),
                 "rollout/groups": len(taken.groups),
-                "rollout/errors": self.errors,
-                "rollout/retries": self.client.retries,  # retried requests (RolloutClient counts them)
                 "timing/take_batch_s": time.perf_counter() - t0,  # the learner's wait is timing/wait_for_batch_s
             }
-            if rl.dynamic_sampling.enabled:
+            if self.rl.dynamic_sampling.enabled:
                 seen = taken.dropped_since_last + len(taken.groups)
                 metrics["rollout/dropped_frac"] = taken.dropped_since_last / max(1, seen)
             self.events.log(step + 1, metrics)
-            self.window_tokens, self.window_started = 0, time.perf_counter()
 
     async def take_batch(self, buffer):
         """The next batch; with dynamic sampling, a partial one once too many groups were dropped."""
@@ -381,24 +360,90 @@ class Orchestrator:
             )
         return taken
 
+
+class Orchestrator:
+    """Wires the components of one run and runs them: generation workers (``Rollouts``) fill the
+    buffer, ``TrainerFeed`` hands its batches to the learner, and the weight watcher here puts each
+    version the learner publishes into the engines (``EngineSync``), evaluates when due
+    (``Evaluation``), saves the buffer's state at checkpoints and opens the buffer to that version."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        tokenizer,
+        rows: tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]],
+        open_client: Callable[[], AsyncContextManager],
+        engines,
+        exchange,
+        events,
+        async_mode: bool,
+    ):
+        """``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
+        router); ``engines``: the plan's ``EngineWeightLoader`` (admin calls to every engine);
+        ``exchange``: the ``RunExchange`` with the learner; ``events``: an ``EventWriter``;
+        ``rows``: (train, eval)."""
+        self.recipe, self.rl = recipe, recipe.rl
+        self.staleness = self.rl.async_.max_staleness if async_mode else 0
+        self.tokenizer = tokenizer
+        self.train_rows, self.eval_rows = list(rows[0]), list(rows[1])
+        self.open_client, self.engines, self.exchange, self.events = open_client, engines, exchange, events
+        self.paths: RunDir = exchange.paths
+
+    def restore_buffer(self, first_version: int):
+        from backends.rollout.buffer import AsyncGroupBuffer, PromptSampler
+
+        drop = self.rl.dynamic_sampling.enabled
+        batch = self.rl.prompts_per_step
+        state_file = self.paths.orchestrator_state_at(first_version)
+        if first_version > 0 and state_file.exists():
+            return AsyncGroupBuffer.from_state(
+                json.loads(state_file.read_text()), batch, self.staleness, drop_zero_variance=drop
+            )
+        sampler = PromptSampler(len(self.train_rows), self.recipe.seed)
+        return AsyncGroupBuffer(sampler, batch, self.staleness, drop_zero_variance=drop, version=first_version)
+
+    def save_state(self, buffer, version: int) -> None:
+        """Buffer state for a checkpoint the learner writes at the same version."""
+        every = self.rl.save_every
+        if not ((every and version % every == 0) or version == self.rl.steps):
+            return
+        write_json(self.paths.orchestrator_state_at(version), buffer.state_dict(trained_batches=version), indent=None)
+
+    async def watch_weights(self, client, sync: EngineSync, evaluation: Evaluation, buffer, first_version: int) -> None:
+        """Push every version the learner publishes to the engines, then admit generation on it."""
+        served = first_version
+        while served < self.rl.steps:
+            latest = self.exchange.latest_version()
+            if latest is None or latest <= served:
+                if self.exchange.stop_reason():
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            client.model = await sync.load(latest, client.in_flight)
+            served = latest
+            if evaluation.due(latest, first_version):
+                await evaluation.evaluate(latest)
+            self.save_state(buffer, latest)
+            await buffer.publish_version(latest)
+
     async def run(self, first_version_timeout_s: float = 1800) -> None:
         # The learner publishes the policy it starts from (v0, or the resumed checkpoint's step).
         await asyncio.to_thread(self.exchange.wait_version, 0, first_version_timeout_s)
-        self.start = self.exchange.latest_version()
-        self.events.log(self.start, {"progress/total_steps": self.rl.steps})
-        buffer = self.restore_buffer()
+        first_version = self.exchange.latest_version()
+        self.events.log(first_version, {"progress/total_steps": self.rl.steps})
+        buffer = self.restore_buffer(first_version)
         async with self.open_client() as client:
-            self.client = client
-            if self.start > 0 or self.engines.loads_initial_version:  # LoRA: v0 is an adapter too
-                await self.sync_engines(self.start)
-            else:
-                await self.engines.label_initial()
-            self.version = self.start
-            await self.evaluate(client, self.start)
+            rollouts = Rollouts(self.recipe, self.tokenizer, self.train_rows, client, self.paths)
+            evaluation = Evaluation(self.recipe, rollouts, self.eval_rows, self.events, self.paths)
+            sync = EngineSync(self.engines, self.exchange, self.events)
+            feed = TrainerFeed(self.recipe, self.exchange, self.events, rollouts.window)
+            client.model = await sync.start(first_version, client.in_flight)
+            await evaluation.evaluate(first_version)
             n_workers = max(1, self.recipe.inference.max_concurrency // self.rl.samples_per_prompt)
-            workers = [asyncio.create_task(self.worker(client, buffer)) for _ in range(n_workers)]
-            watcher = asyncio.create_task(self.watch_weights(client, buffer))
-            feeder = asyncio.create_task(self.feed_trainer(buffer))
+            workers = [asyncio.create_task(rollouts.worker(buffer)) for _ in range(n_workers)]
+            watcher = asyncio.create_task(self.watch_weights(client, sync, evaluation, buffer, first_version))
+            feeder = asyncio.create_task(feed.run(buffer, first_version))
             try:
                 # The run ends when the last batch is written and the last version synced and
                 # evaluated; a failure of any task (a weight sync the engines refused) ends it at once.

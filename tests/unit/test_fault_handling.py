@@ -203,9 +203,11 @@ def test_a_weight_sync_waits_while_no_engine_is_reachable(tmp_path):
 
     pytest.importorskip("torch")
     from backends.inference.weight_sync import NoEngineReachable
+    from backends.rollout.orchestrator import EngineSync
     from tests.unit.test_rollout_orchestrator import _orchestrator
 
     orchestrator, _, engines, _, _ = _orchestrator(tmp_path, async_mode=False)
+    sync = EngineSync(engines, orchestrator.exchange, orchestrator.events)
     load, calls = engines.load, []
 
     async def down_once(version, weights_dir):
@@ -215,11 +217,11 @@ def test_a_weight_sync_waits_while_no_engine_is_reachable(tmp_path):
         return await load(version, weights_dir)
 
     engines.load = down_once
-    asyncio.run(orchestrator.load_when_reachable(2))
+    asyncio.run(sync.load_when_reachable(2))
     assert calls == [2, 2] and engines.version == "2"
     engines.load = lambda version, weights_dir: _raise(NoEngineReachable("no engine reachable"))
     with pytest.raises(NoEngineReachable):
-        asyncio.run(orchestrator.load_when_reachable(3, timeout_s=0))
+        asyncio.run(sync.load_when_reachable(3, timeout_s=0))
 
 
 async def _raise(err: Exception):
