@@ -122,31 +122,31 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
     clear_exchange(run_dir)
     sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
-    engines = [p for p in plan.processes if p.role == "engine"]
-    (router,) = [p for p in plan.processes if p.role == "router"]
+    order = plan.start_order()  # the one statement of what starts when
+    (router,) = order.router
     started = time.monotonic()
     with (
         reported("rl", directory) as progress,
         Supervisor(directory) as supervisor,
         EventWriter(run_dir.events, "inference") as writer,
     ):
-        run_setup_jobs(supervisor, plan, progress)
+        run_setup_jobs(supervisor, order.setup, progress)
         progress.phase = "engine start-up"
         stack = launch_inference(
             supervisor,
-            engines,
+            order.engines,
             router,
             plan.engine_urls,
             plan.router_url,
             directory,
             writer=writer,
             step_fn=lambda: run_dir.latest_weights_version() or 0,
-            early_jobs=[p for p in plan.processes if p.kind == "job" and p.start_with_engines],
+            early_jobs=order.beside_engines,
         )
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
             extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(run_dir.final)}
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
-                run_jobs(supervisor, plan, stack, run, progress)
+                run_jobs(supervisor, plan, order, stack, run, progress)
                 progress.phase = "publishing the final model"
                 publish_final_model(run_dir)
                 if publish_final_int4(run_dir, recipe):
@@ -158,16 +158,15 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     return run.summary or {}
 
 
-def run_setup_jobs(supervisor, plan, progress) -> None:
-    """Setup jobs (the INT4 export the engines start from) run to their end before any engine."""
-    setup = [p.name for p in plan.processes if p.kind == "setup"]
-    for name in setup:
-        progress.phase = f"setup: {name}"
-        supervisor.start(next(p for p in plan.processes if p.name == name))
-        supervisor.wait_jobs([name])
+def run_setup_jobs(supervisor, setup, progress) -> None:
+    """Setup jobs (``engine-model/``, or the INT4 export the engines start from), each to its end."""
+    for spec in setup:
+        progress.phase = f"setup: {spec.name}"
+        supervisor.start(spec)
+        supervisor.wait_jobs([spec.name])
 
 
-def run_jobs(supervisor, plan, stack, run, progress) -> None:
+def run_jobs(supervisor, plan, order, stack, run, progress) -> None:
     """Start the orchestrator and the learner and wait for both: the first one to fail (or be
     killed) raises ``LaunchError`` at once, naming it and its log."""
     from skyrl_contracts.errors import LaunchError
@@ -181,10 +180,9 @@ def run_jobs(supervisor, plan, stack, run, progress) -> None:
         if gave_up:
             raise LaunchError(gave_up)
 
-    jobs = [p.name for p in plan.processes if p.kind == "job"]
-    for spec in plan.processes:
-        if spec.kind == "job" and not spec.start_with_engines:  # those started with the engines
-            supervisor.start(spec)
+    jobs = [p.name for p in (*order.beside_engines, *order.after_router) if p.kind == "job"]
+    for spec in order.after_router:
+        supervisor.start(spec)
     # Engines and the router that die come back (stack.recovery); without it the router may not die.
     fatal = [] if stack.recovery is not None else [p.name for p in plan.processes if p.role == "router"]
     supervisor.wait_jobs(jobs, on_tick=tick, fatal_services=fatal)

@@ -75,9 +75,9 @@ def serve_plan(recipe, plan, config: dict, directory) -> None:
 
     RunDir(directory).prepare(recipe, plan, resume=True)  # storage/ of earlier starts is kept
     write_json(directory / "server.json", config)
-    engines = [p for p in plan.processes if p.role == "engine"]
-    routers = [p for p in plan.processes if p.role == "router"]
-    (server,) = [p for p in plan.processes if p.name == SERVER_NAME]
+    order = plan.start_order()
+    engines, routers = order.engines, order.router
+    (server,) = [p for p in order.after_router if p.name == SERVER_NAME]
     with Supervisor(directory) as supervisor:
         stack = None
         if engines:

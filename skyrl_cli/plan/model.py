@@ -40,6 +40,16 @@ class ProcessSpec(Frozen):
     start_with_engines: bool = False
 
 
+class StartOrder(Frozen):
+    """The order a plan's processes start in, stated once (``LaunchPlan.start_order``)."""
+
+    setup: tuple[ProcessSpec, ...]  # run to their end first, one after another
+    engines: tuple[ProcessSpec, ...]  # started together, waited ready
+    beside_engines: tuple[ProcessSpec, ...]  # jobs started with the engines (their failure ends the wait)
+    router: tuple[ProcessSpec, ...]  # once the engines are ready and labelled
+    after_router: tuple[ProcessSpec, ...]  # everything else: the remaining jobs, other services (a server)
+
+
 class LaunchPlan(Frozen):
     stage: Literal[
         "sft", "rl", "tinker", "quantize"
@@ -54,3 +64,14 @@ class LaunchPlan(Frozen):
     processes: tuple[ProcessSpec, ...] = ()
     # RL: how policy versions reach the engines (skyrl_cli.plan.weight_sync); None for other stages.
     weight_sync: Literal["nccl", "disk", "lora", "int4"] | None = None
+
+    def start_order(self) -> StartOrder:
+        """Setup jobs to their end; the engines, with the jobs marked ``start_with_engines`` beside
+        them; the router; then everything else. The launchers follow this and decide nothing."""
+        setup = tuple(p for p in self.processes if p.kind == "setup")
+        engines = tuple(p for p in self.processes if p.role == "engine")
+        beside = tuple(p for p in self.processes if p.kind == "job" and p.start_with_engines)
+        router = tuple(p for p in self.processes if p.role == "router")
+        placed = {p.name for p in (*setup, *engines, *beside, *router)}
+        rest = tuple(p for p in self.processes if p.name not in placed)
+        return StartOrder(setup=setup, engines=engines, beside_engines=beside, router=router, after_router=rest)

@@ -95,3 +95,13 @@ def test_a_group_size_the_policy_cannot_take_is_refused(group):
         model={"init": {"hidden_size": 48, "heads": 2}, "tokenizer": "char"},
     )
     assert any(m.startswith("quantization.group_size:") for m in messages(r))
+
+
+def test_the_plan_states_the_start_order(tmp_path):
+    """Setup, then the engines with the learner beside them (disk sync), the router, the orchestrator."""
+    order = build_plan(recipe(None), "rl", tmp_path, machine=CPU2).start_order()
+    names = [
+        [p.name for p in phase]
+        for phase in (order.setup, order.engines, order.beside_engines, order.router, order.after_router)
+    ]
+    assert names == [["engine-model"], ["engine-0"], ["trainer"], ["router"], ["orchestrator"]]
