@@ -307,8 +307,8 @@ def stage_rl_learner(ctx) -> dict[str, str]:
     # On CUDA with vLLM an absent engine would leave the NCCL rendezvous waiting: ask for NCCL only elsewhere.
     exercised = not (cuda() and has("vllm"))
     nccl = NcclTarget(("http://127.0.0.1:9",), 1, f"127.0.0.1:{find_free_ports(1)[0]}") if exercised else None
-    learner = Learner(run_dir, ctx.tiny, resume=False, nccl=nccl)
-    fell_back = nccl is not None and learner.transfer is None
+    learner = Learner(run_dir, ctx.tiny, resume=False, weight_sync="nccl" if nccl else "disk", nccl=nccl)
+    fell_back = nccl is not None and learner.sender is None
     learner.run()
     if exercised and not fell_back:
         raise RuntimeError("the learner set up NCCL with no engine to send to")

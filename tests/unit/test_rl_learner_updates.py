@@ -16,7 +16,7 @@ import torch
 
 from backends.rollout.batch import Sample
 from backends.train.engine import Dist
-from backends.train.rl_learner import Learner
+from backends.train.rl.step import RLStep
 from skyrl_contracts.schema import Recipe
 
 VOCAB, PROMPT_LEN, RESPONSE_LEN = 32, 4, 5
@@ -80,7 +80,7 @@ def sampled_batch(model) -> list[Sample]:
     return samples
 
 
-def learner_for(model, *, kind="ppo_clip", mini_batches=4, ratio="proximal", lr=0.02, **loss_keys) -> Learner:
+def learner_for(model, *, kind="ppo_clip", mini_batches=4, ratio="proximal", lr=0.02, **loss_keys) -> RLStep:
     loss = {"kind": kind, "ratio": ratio, **loss_keys}
     recipe = Recipe.model_validate(
         {
@@ -97,14 +97,8 @@ def learner_for(model, *, kind="ppo_clip", mini_batches=4, ratio="proximal", lr=
             },
         }
     )
-    learner = Learner.__new__(Learner)  # no process group, no DeepSpeed: see TorchEngine
-    learner.recipe, learner.rl = recipe, recipe.rl
-    learner.updates = recipe.rl.mini_batches * recipe.rl.epochs
-    learner.dist = Dist(0, 1, 0, torch.device("cpu"))
-    learner.engine = TorchEngine(model, lr)
-    learner.reference = None
-    learner.pad_id = 0
-    return learner
+    # no process group, no DeepSpeed: see TorchEngine
+    return RLStep(recipe.rl, TorchEngine(model, lr), Dist(0, 1, 0, torch.device("cpu")), pad_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +110,7 @@ def start():
 def trained(start, **kw):
     model, samples = start
     model = copy.deepcopy(model)
-    metrics = learner_for(model, **kw).train_step(samples)
+    metrics = learner_for(model, **kw).train(samples)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), metrics
 
 
@@ -165,6 +159,6 @@ def test_bypass_ratio_is_taken_against_the_rollout_logprobs(start):
     shifted = [copy.deepcopy(s) for s in samples]
     for s in shifted:
         s.rollout_logprobs = [lp - 0.5 for lp in s.rollout_logprobs]  # the sampler was "less sure"
-    metrics = learner_for(copy.deepcopy(model), ratio="rollout").train_step(shifted)
+    metrics = learner_for(copy.deepcopy(model), ratio="rollout").train(shifted)
     assert metrics["train/update1/ratio_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.5))), rel=1e-3)
     assert metrics["train/update1/clip_frac"] > 0.0
