@@ -34,7 +34,7 @@ async def create_sampling_session(request: Request, ctx: Ctx):
     ctx.check_base(req.base_model)
     if req.model_path is not None:
         with checkpoint_errors():
-            ctx.service.resolve_checkpoint(who, req.model_path)
+            ctx.service.checkpoints.resolve(who, req.model_path)
     sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
     if ctx.store.sampler(sampler_id) is None:
         ctx.store.add_sampler(sampler_id, who, req.session_id, ctx.cfg.base_model, req.model_path)
@@ -68,7 +68,7 @@ def _engine_model(ctx: ApiContext, who: str, model_path: str | None) -> tuple[st
     from backends.tinker.sampling import adapter_name
 
     with checkpoint_errors():
-        row = ctx.service.checkpoint_row(who, model_path)
+        row = ctx.service.checkpoints.row(who, model_path)
     # the save time in the name: a checkpoint saved again (overwrite) is a new vLLM adapter
     return row["dir"], adapter_name(row["run_id"], row["kind"], row["name"], row["created"])
 
@@ -129,9 +129,9 @@ async def _run_sample(ctx: ApiContext, rid: int, job) -> None:
     service = ctx.service
     try:
         sequences, prompt_logprobs = await service.sampler.sample(job)
-        service.finish(rid, encode_sample_response(sequences, prompt_logprobs), "proto")
+        service.results.finish(rid, encode_sample_response(sequences, prompt_logprobs), "proto")
     except SamplingError as err:
-        service.finish_error(rid, f"sampling failed: {err}", "Server")
+        service.results.finish_error(rid, f"sampling failed: {err}", "Server")
     except Exception as err:
         log.exception("sampling failed")
-        service.finish_error(rid, f"sampling failed: {type(err).__name__}", "Server")
+        service.results.finish_error(rid, f"sampling failed: {type(err).__name__}", "Server")

@@ -146,7 +146,7 @@ def _check_load_request(ctx: ApiContext, who: str, req: P.LoadWeightsRequest) ->
     """The checkpoint's training run id, once the checkpoint and the request's options are valid."""
     with checkpoint_errors():
         run_id, kind, _ = P.parse_tinker_path(req.path)
-        ctx.service.resolve_checkpoint(who, req.path)
+        ctx.service.checkpoints.resolve(who, req.path)
     if req.optimizer and kind != "weights":
         raise HttpError(400, f"{req.path} is a sampler checkpoint: it has no optimizer state (use a save_state path)")
     if req.optimizer_config is not None:

@@ -99,14 +99,65 @@ class Notifier:
             event.set()
 
 
+class Results:
+    """Where a request's answer goes: the store (the future's result) and a wake-up for its long poll."""
+
+    def __init__(self, store: Store, notifier: Notifier):
+        self.store, self.notifier = store, notifier
+
+    def finish(self, request_id: int, data: bytes, result_type: str) -> None:
+        self.store.complete(request_id, data, result_type)
+        self.notifier.notify(request_id)
+
+    def finish_json(self, request_id: int, result: dict) -> None:
+        self.finish(request_id, json.dumps(result).encode(), "json")
+
+    def finish_error(self, request_id: int, message: str, category: str = "User") -> None:
+        self.store.fail(request_id, message, category)
+        self.notifier.notify(request_id)
+
+
+class Checkpoints:
+    """Checkpoint directories under the storage directory, and the owner's right to read them."""
+
+    def __init__(self, storage: Path, store: Store):
+        self.storage, self.store = storage, store
+
+    def directory(self, run_id: str, kind: str, name: str) -> Path:
+        directory = self.storage / "checkpoints" / run_id / kind / name
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def resolve(self, owner: str, path: str) -> Path:
+        """The directory of ``tinker://run/kind/name`` if ``owner`` may read it."""
+        return Path(self.row(owner, path)["dir"])
+
+    def row(self, owner: str, path: str):
+        run_id, kind, name = P.parse_tinker_path(path)
+        row = self.store.checkpoint(run_id, kind, name)
+        if row is None or row["owner"] != owner:
+            raise JobError(f"checkpoint {path} not found")
+        if not (Path(row["dir"]) / "adapter_model.safetensors").exists():
+            raise JobError(f"checkpoint {path} has lost its files")
+        return row
+
+
 class JobScheduler(threading.Thread):
     """The one thread that runs model requests on the LoRA engine: it orders each model's jobs by
     ``seq_id``, batches ready forward_backward passes across models, and runs every other job
     through its handler (``self.handlers``, one per job kind)."""
 
-    def __init__(self, service: TinkerService, engine_factory: Callable[[], Any]):
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: Store,
+        results: Results,
+        checkpoints: Checkpoints,
+        engine_factory: Callable[[], Any],
+    ):
         super().__init__(name="tinker-scheduler", daemon=True)
-        self.service = service
+        self.config, self.store, self.results, self.checkpoints = config, store, results, checkpoints
+        self.vocab_size: int | None = None  # the engine's, once it is up
         self.engine_factory = engine_factory
         self.engine = None
         self.ready = threading.Event()
@@ -143,7 +194,7 @@ class JobScheduler(threading.Thread):
             log.exception("the LoRA engine failed to start")
             self.ready.set()
             return
-        self.service.vocab_size = getattr(self.engine, "vocab_size", None)
+        self.vocab_size = getattr(self.engine, "vocab_size", None)
         self.ready.set()
         while True:
             with self.cond:
@@ -157,7 +208,7 @@ class JobScheduler(threading.Thread):
             except Exception:  # never kill the thread: every job of the round gets an error
                 log.exception("a scheduler round failed")
                 for job in [j for group in rounds for j in group]:
-                    self.service.finish_error(
+                    self.results.finish_error(
                         job.request_id, "internal error in the LoRA engine (see server log)", "Server"
                     )
 
@@ -204,7 +255,7 @@ class JobScheduler(threading.Thread):
             ):
                 run.append(queue.pop(nxt))
                 self._advance(model_id, nxt)
-            if not self.service.config.batch_adapters:
+            if not self.config.batch_adapters:
                 singles.append(run)
             else:
                 (nograd if forward_only else grad).extend(run)
@@ -229,11 +280,11 @@ class JobScheduler(threading.Thread):
             try:
                 result = self.handlers[job.kind](job)
             except (JobError, ValueError) as err:
-                self.service.finish_error(job.request_id, str(err))
+                self.results.finish_error(job.request_id, str(err))
                 if job.kind in ("create_model", "load_weights") and job.seq_id == 0:
-                    self.service.store.set_model_state(job.model_id, "failed")
+                    self.store.set_model_state(job.model_id, "failed")
                 continue
-            self.service.finish_json(job.request_id, result)
+            self.results.finish_json(job.request_id, result)
 
     def _forward_backward(self, jobs: list[Job]) -> None:
         from backends.tinker.lora_engine import DatumIn, EngineError, WorkItem
@@ -242,7 +293,7 @@ class JobScheduler(threading.Thread):
         for job in jobs:
             fb: ForwardBackward = job.body
             if fb.model_id not in self.engine.adapters:
-                self.service.finish_error(job.request_id, f"model {fb.model_id} is not loaded")
+                self.results.finish_error(job.request_id, f"model {fb.model_id} is not loaded")
                 continue
             datums = [
                 DatumIn(
@@ -262,7 +313,7 @@ class JobScheduler(threading.Thread):
             results = self.engine.run(items, with_grad=not jobs[0].body.forward_only)
         except EngineError as err:
             for job in runnable:
-                self.service.finish_error(job.request_id, str(err))
+                self.results.finish_error(job.request_id, str(err))
             return
         for job, res in zip(runnable, results):
             out = encode_forward_backward_output(
@@ -270,8 +321,8 @@ class JobScheduler(threading.Thread):
                 len(res.logprobs),
                 {"loss:sum": res.loss_sum},
             )
-            self.service.finish(job.request_id, out, "proto")
-            self.service.store.touch_model(job.model_id)
+            self.results.finish(job.request_id, out, "proto")
+            self.store.touch_model(job.model_id)
 
     def _create_model(self, job: Job) -> dict:
         from backends.tinker.lora_engine import LoraEngine
@@ -280,7 +331,7 @@ class JobScheduler(threading.Thread):
         lora = req.lora_config
         modules = LoraEngine.modules_for(lora.train_attn, lora.train_mlp, lora.train_unembed)
         self.engine.create_adapter(job.model_id, lora.rank, modules, lora.seed)
-        self.service.store.set_model_state(job.model_id, "live")
+        self.store.set_model_state(job.model_id, "live")
         return {"model_id": job.model_id, "type": "create_model"}
 
     def _optim_step(self, job: Job) -> dict:
@@ -289,15 +340,14 @@ class JobScheduler(threading.Thread):
         metrics = self.engine.optim_step(
             job.model_id, adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay, adam.grad_clip_norm
         )
-        self.service.store.touch_model(job.model_id)
+        self.store.touch_model(job.model_id)
         return {"metrics": metrics, "type": "optim_step"}
 
     def _save(self, job: Job, kind: str, name: str) -> str:
-        svc = self.service
-        model = svc.store.model(job.model_id)
+        model = self.store.model(job.model_id)
         run_id = model["run_id"]
-        directory = svc.checkpoint_dir(run_id, kind, name)
-        existing = svc.store.checkpoint(run_id, kind, name)
+        directory = self.checkpoints.directory(run_id, kind, name)
+        existing = self.store.checkpoint(run_id, kind, name)
         overwrite = getattr(job.body, "overwrite", False)
         if existing is not None and not overwrite:
             raise JobError(f"checkpoint tinker://{run_id}/{kind}/{name} exists (pass overwrite=True to replace it)")
@@ -305,8 +355,8 @@ class JobScheduler(threading.Thread):
         with atomic_dir(directory) as tmp:
             self.engine.save(job.model_id, tmp, with_optimizer=(kind == "weights"))
         size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
-        svc.store.add_checkpoint(run_id, kind, name, job.owner, str(directory), size, kind == "weights")
-        svc.store.touch_model(job.model_id)
+        self.store.add_checkpoint(run_id, kind, name, job.owner, str(directory), size, kind == "weights")
+        self.store.touch_model(job.model_id)
         return P.tinker_path(run_id, kind, name)
 
     def _save_weights(self, job: Job) -> dict:
@@ -319,21 +369,21 @@ class JobScheduler(threading.Thread):
         # ephemeral: a sampler checkpoint named after the step, and a sampling session on it
         name = f"ephemeral-{req.seq_id}-{req.sampling_session_seq_id}"
         path = self._save(job, "sampler_weights", name)
-        model = self.service.store.model(job.model_id)
+        model = self.store.model(job.model_id)
         sampler_id = f"{model['session_id']}:sample:{req.sampling_session_seq_id}"
-        self.service.store.add_sampler(sampler_id, job.owner, model["session_id"], model["base_model"], path)
+        self.store.add_sampler(sampler_id, job.owner, model["session_id"], model["base_model"], path)
         return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
     def _unload(self, job: Job) -> dict:
         self.engine.drop_adapter(job.model_id)
-        self.service.store.set_model_state(job.model_id, "unloaded")
+        self.store.set_model_state(job.model_id, "unloaded")
         return {"model_id": job.model_id, "type": "unload_model"}
 
     def _load_weights(self, job: Job) -> dict:
         req: P.LoadWeightsRequest = job.body
-        directory = self.service.resolve_checkpoint(job.owner, req.path)
+        directory = self.checkpoints.resolve(job.owner, req.path)
         self.engine.load(job.model_id, directory, with_optimizer=req.optimizer)
-        self.service.store.set_model_state(job.model_id, "live")
+        self.store.set_model_state(job.model_id, "live")
         return {"path": req.path, "model_id": job.model_id, "type": "load_weights"}
 
 
@@ -348,9 +398,16 @@ class TinkerService:
         if lost or dropped:
             log.warning("restart: %d models lost their in-memory adapters, %d pending requests failed", lost, dropped)
         self.notifier = Notifier()
-        self.scheduler = JobScheduler(self, engine_factory or self._default_engine)
+        self.results = Results(self.store, self.notifier)
+        self.checkpoints = Checkpoints(self.storage, self.store)
+        self.scheduler = JobScheduler(
+            config, self.store, self.results, self.checkpoints, engine_factory or self._default_engine
+        )
         self.sampler = None
-        self.vocab_size: int | None = None
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.scheduler.vocab_size
 
     def _default_engine(self):
         from backends.tinker.lora_engine import LoraEngine
@@ -369,36 +426,3 @@ class TinkerService:
         self.scheduler.stop()
         self.scheduler.join(timeout=10)
         self.store.close()
-
-    # ---------------------------------------------------------------------------- completion
-
-    def finish(self, request_id: int, data: bytes, result_type: str) -> None:
-        self.store.complete(request_id, data, result_type)
-        self.notifier.notify(request_id)
-
-    def finish_json(self, request_id: int, result: dict) -> None:
-        self.finish(request_id, json.dumps(result).encode(), "json")
-
-    def finish_error(self, request_id: int, message: str, category: str = "User") -> None:
-        self.store.fail(request_id, message, category)
-        self.notifier.notify(request_id)
-
-    # ---------------------------------------------------------------------------- checkpoints
-
-    def checkpoint_dir(self, run_id: str, kind: str, name: str) -> Path:
-        directory = self.storage / "checkpoints" / run_id / kind / name
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        return directory
-
-    def resolve_checkpoint(self, owner: str, path: str) -> Path:
-        """The directory of ``tinker://run/kind/name`` if ``owner`` may read it."""
-        return Path(self.checkpoint_row(owner, path)["dir"])
-
-    def checkpoint_row(self, owner: str, path: str):
-        run_id, kind, name = P.parse_tinker_path(path)
-        row = self.store.checkpoint(run_id, kind, name)
-        if row is None or row["owner"] != owner:
-            raise JobError(f"checkpoint {path} not found")
-        if not (Path(row["dir"]) / "adapter_model.safetensors").exists():
-            raise JobError(f"checkpoint {path} has lost its files")
-        return row
