@@ -49,6 +49,13 @@ def _debug() -> bool:
     return os.environ.get("SKYRL_DEBUG", "") not in ("", "0", "false")
 
 
+def _is_click_exception(err: BaseException) -> bool:
+    """A click usage error, from click itself or from the copy of click that typer 0.29+ vendors
+    (``typer._click``): a second class of the same name that ``click.ClickException`` does not
+    catch. With only the first, every usage error of a fresh install became an "internal error"."""
+    return any(cls.__name__ == "ClickException" for cls in type(err).__mro__) and hasattr(err, "show")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app and map failures to messages and exit codes."""
     from skyrl_cli.launch.interrupts import Interrupted, stop_signals_raise
@@ -73,10 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as err:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(err, click.exceptions.ClickException):
+    except Exception as err:
+        if _is_click_exception(err):  # a usage error: click's own message and exit code (2)
             err.show()
             sys.exit(err.exit_code)
         if _debug():

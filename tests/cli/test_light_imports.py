@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, run_console_script
 
 HEAVY = ("torch", "vllm", "deepspeed", "transformers", "wandb", "peft", "torchao", "matplotlib")
 
@@ -45,3 +45,18 @@ def test_cli_imports_nothing_heavy(args):
     )
     loaded = json.loads(proc.stderr.strip().splitlines()[-1])
     assert loaded == [], f"`skyrl {' '.join(args)}` imported {loaded}"
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("rl", "recipes/quickstart.toml", "--bogus"), "No such option: --bogus"),
+        (("sft",), "Missing argument 'RECIPE'"),
+        (("no-such-command",), "No such command 'no-such-command'"),
+    ],
+)
+def test_usage_errors_of_the_console_script_are_usage_errors(args, says):
+    """Exit 2 with click's message, not "internal error" (typer 0.29 vendors its own click)."""
+    result = run_console_script(*args)
+    assert result.code == 2, (result.code, result.err)
+    assert says in result.err and "internal error" not in result.err and "Traceback" not in result.err
