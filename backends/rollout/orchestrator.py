@@ -90,8 +90,9 @@ class Rollouts:
     ``samples_per_prompt`` per prompt for training (``worker`` fills the buffer with them) and single
     episodes for evaluation; it counts the failed samples and the tokens generated since ``window``."""
 
-    def __init__(self, recipe: Recipe, tokenizer, train_rows: Sequence[Mapping[str, Any]], client, paths: RunDir):
-        from backends.rollout.environments import environment_factory
+    def __init__(
+        self, recipe: Recipe, tokenizer, train_rows: Sequence[Mapping[str, Any]], client, paths: RunDir, make_env
+    ):
         from backends.rollout.rewards import GuardedCaller
 
         self.rl, self.tokenizer, self.train_rows, self.client, self.paths = (
@@ -102,7 +103,7 @@ class Rollouts:
             paths,
         )
         self.stop_ids = [t for t in (tokenizer.eos_token_id,) if t is not None]
-        self.make_env = environment_factory(recipe)
+        self.make_env = make_env
         self.caller = GuardedCaller(self.rl.reward_timeout_s)
         self.errors = 0
         self.window_tokens = 0
@@ -382,7 +383,11 @@ class Orchestrator:
         """``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
         router); ``engines``: the plan's ``EngineWeightLoader`` (admin calls to every engine);
         ``exchange``: the ``RunExchange`` with the learner; ``events``: an ``EventWriter``;
-        ``rows``: (train, eval)."""
+        ``rows``: (train, eval). The recipe's environment (or reward) is imported here, so that user
+        code that cannot load fails the process at start, before any engine work."""
+        from backends.rollout.environments import environment_factory
+
+        self.make_env = environment_factory(recipe)
         self.recipe, self.rl = recipe, recipe.rl
         self.staleness = self.rl.async_.max_staleness if async_mode else 0
         self.tokenizer = tokenizer
@@ -434,7 +439,7 @@ class Orchestrator:
         self.events.log(first_version, {"progress/total_steps": self.rl.steps})
         buffer = self.restore_buffer(first_version)
         async with self.open_client() as client:
-            rollouts = Rollouts(self.recipe, self.tokenizer, self.train_rows, client, self.paths)
+            rollouts = Rollouts(self.recipe, self.tokenizer, self.train_rows, client, self.paths, self.make_env)
             evaluation = Evaluation(self.recipe, rollouts, self.eval_rows, self.events, self.paths)
             sync = EngineSync(self.engines, self.exchange, self.events)
             feed = TrainerFeed(self.recipe, self.exchange, self.events, rollouts.window)
