@@ -313,12 +313,15 @@ def quantization_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
     if quant is None:
         return []
     problems = []
-    if recipe.model.lora is not None:
+    # A section that only configures `skyrl quantize` (which quantizes a full checkpoint, the SFT
+    # output) does not act in a LoRA run; int4_qat and int4_rollouts would, on all weights.
+    if recipe.model.lora is not None and (quant.int4_qat or quant.int4_rollouts):
+        on = "int4_qat" if quant.int4_qat else "int4_rollouts"
         problems.append(
             Problem(
                 ("model", "lora"),
-                "INT4 quantization fine-tunes and exports all weights, not LoRA "
-                "adapters; remove model.lora or the [quantization] section",
+                f"quantization.{on} trains or serves all weights under INT4, not LoRA adapters; "
+                f"remove model.lora or set quantization.{on} = false",
             )
         )
     # with [rl] the section also acts there (int4_qat, int4_rollouts); init_from is skyrl quantize's,
