@@ -415,15 +415,11 @@ def stage_tied_sync(ctx) -> dict[str, str]:
         moved = moved_policy(AutoModelForCausalLM.from_pretrained(str(initial), dtype=dtype)).to(dev).eval()
         save_for_engines(moved, tokenizer, ctx.tmp / f"tied-{arch}" / "v1")
         ids = fixed_sequence(moved.config.vocab_size)
+        initial_model = AutoModelForCausalLM.from_pretrained(str(initial), dtype=dtype).to(dev).eval()
         gaps = []
-        for reference, exported in ((moved, "v1"), (None, "engine-model")):
-            if reference is None:
-                reference = AutoModelForCausalLM.from_pretrained(str(initial), dtype=dtype).to(dev).eval()
-            loaded = (
-                AutoModelForCausalLM.from_pretrained(str(ctx.tmp / f"tied-{arch}" / exported), dtype=dtype)
-                .to(dev)
-                .eval()
-            )
+        for reference, exported in ((moved, "v1"), (initial_model, "engine-model")):
+            loaded = AutoModelForCausalLM.from_pretrained(str(ctx.tmp / f"tied-{arch}" / exported), dtype=dtype)
+            loaded = loaded.to(dev).eval()
             if tied_head(loaded) is not None:
                 raise AssertionError(f"{arch}: {exported} loads tied")
             pairs = zip(transformers_logprobs(reference, ids), transformers_logprobs(loaded, ids))

@@ -41,11 +41,15 @@ class HFExporter:
         self.engine, self.tokenizer, self.dist, self.zero_stage = engine, tokenizer, dist, zero_stage
         self.merge = merge
 
+    def _gathered(self):
+        """ZeRO-3's full state dict (a collective every rank joins), None below ZeRO-3."""
+        return self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
+
     def __call__(self, out_dir: Path) -> None:
         from backends.models.loading import save_hf
         from backends.models.lora import ADAPTER_DIR, is_peft, merged_copy, save_adapter
 
-        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
+        state_dict = self._gathered()
         if not self.dist.is_main:
             return
         module = self.engine.module
@@ -63,7 +67,7 @@ class HFExporter:
         (``backends.models.tied``: the engines serve tied models untied). Collective under ZeRO-3."""
         from backends.models.tied import save_for_engines
 
-        state_dict = self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
+        state_dict = self._gathered()
         if self.dist.is_main:
             save_for_engines(self.engine.module, self.tokenizer, out_dir, state_dict=state_dict)
 

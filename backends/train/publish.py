@@ -54,11 +54,6 @@ class NcclFirstVersionAsFiles:
         return self.sender.publish(version)
 
 
-def full_weights_writer(export) -> Writer:
-    """The HF model for the engines to reload (``HFExporter.for_engines``); collective under ZeRO-3."""
-    return export.for_engines
-
-
 def int4_writer(export, quant) -> Writer:
     from backends.quant.export import export_version
 
@@ -71,21 +66,18 @@ def int4_writer(export, quant) -> Writer:
     return write
 
 
-def adapter_writer(export) -> Writer:
-    return export.adapter
-
-
 def weight_publisher(
-    weight_sync: str, exchange, dist, export, recipe, first_version: int, open_sender
+    weight_sync: str, exchange, dist, export, recipe, first_version: int, sender=None
 ) -> WeightPublisher:
-    """The plan's transport as a publisher. ``open_sender()``: rank 0's NCCL sender, or None where
-    it cannot be set up (then every version goes as files)."""
+    """The plan's transport as a publisher. ``export``: the learner's ``HFExporter`` (``for_engines``:
+    the HF model with a tied head written out; ``adapter``: the PEFT adapter). ``sender``: rank 0's
+    NCCL sender, None on other ranks or where it could not be set up (every version then goes as files)."""
     collective = recipe.trainer.zero_stage == 3
     if weight_sync == "lora":
-        return FilePublisher(exchange, dist, adapter_writer(export), collective=False)
+        return FilePublisher(exchange, dist, export.adapter, collective=False)
     if weight_sync == "int4":
         return FilePublisher(exchange, dist, int4_writer(export, recipe.quantization), collective)
-    files = FilePublisher(exchange, dist, full_weights_writer(export), collective)
+    files = FilePublisher(exchange, dist, export.for_engines, collective)
     if weight_sync == "nccl":
-        return NcclFirstVersionAsFiles(open_sender(), files, first_version)
+        return NcclFirstVersionAsFiles(sender, files, first_version)
     return files

@@ -125,14 +125,14 @@ class Learner:
         self.step_fn = RLStep(rl, self.engine, self.dist, self.pad_id, self.reference)
         self.start_step = self._restore() if resume else 0
         quant = recipe.quantization
-        floor = sync_gap_floor(engine_dtype, quant is not None and quant.int4_rollouts and not quant.int4_qat)
+        floor = sync_gap_floor(engine_dtype, weight_sync == "int4" and not quant.int4_qat)
         self.gap_check = None if floor is None else SyncGapCheck(floor)
         self.gap_warned = False
         from backends.train.publish import weight_publisher
 
         self.sender = self._open_transfer(nccl)
         self.publisher = weight_publisher(
-            weight_sync, self.exchange, self.dist, self.export, recipe, self.start_step, lambda: self.sender
+            weight_sync, self.exchange, self.dist, self.export, recipe, self.start_step, self.sender
         )
         self.last_send_s: float | None = None
 

@@ -34,30 +34,34 @@ def _model_dir(recipe: Recipe, base_dir: Path, scratch: Path, timeout_s: float) 
     return scratch / "model", ""
 
 
-def _reloads_full_weights(recipe: Recipe) -> bool:
-    """LoRA runs load adapters and INT4 rollouts load W4A16 exports: not this round trip's path."""
-    quant = recipe.quantization
-    return recipe.model.lora is None and not (quant is not None and quant.int4_rollouts)
+def _reloads_full_weights(recipe: Recipe, device: str) -> bool:
+    """The plan's transport is a full-weight reload (LoRA adapters and INT4 exports are other paths;
+    NCCL needs a trainer, so the smoke test checks its disk fallback)."""
+    from skyrl_cli.plan.weight_sync import select_weight_sync
+
+    return select_weight_sync(recipe, device, transfer_available=False) == "disk"
 
 
-def _served_model(recipe: Recipe, model_dir: Path, scratch: Path, timeout_s: float) -> tuple[Path | None, str]:
-    """What the RL stage's engines start from: its setup job's ``engine-model/`` (a tied model untied)."""
-    if not _reloads_full_weights(recipe):
+def _served_model(
+    recipe: Recipe, device: str, model_dir: Path, scratch: Path, machine: MachineFacts, timeout_s: float
+) -> tuple[Path | None, str]:
+    """What the RL stage's engines start from: the plan's setup job's ``engine-model/`` (a tied model untied)."""
+    from skyrl_cli.plan.rl import engine_model_setup
+
+    if not _reloads_full_weights(recipe, device):
         return model_dir, ""
-    out = scratch / "engine-model"
-    made = run_child(
-        [sys.executable, "-m", "backends.models.tied", "--src", str(model_dir), "--out", str(out)], timeout_s
-    )
-    return (out, "") if made.ok else (None, f"preparing the engines' model failed: {made.output}")
+    (setup,), served = engine_model_setup("disk", scratch, model_dir, machine)
+    made = run_child(setup.argv, timeout_s)
+    return (served, "") if made.ok else (None, f"preparing the engines' model failed: {made.output}")
 
 
 def _sync_round_trip(
-    recipe: Recipe, dtype: str, url: str, model_dir: Path, scratch: Path, timeout_s: float
+    recipe: Recipe, device: str, dtype: str, url: str, model_dir: Path, scratch: Path, timeout_s: float
 ) -> tuple[bool, str] | None:
     """(within the bound, what was measured), or None where the RL stage reloads no full weights."""
     from skyrl_contracts.health import sync_gap_floor
 
-    if not _reloads_full_weights(recipe):
+    if not _reloads_full_weights(recipe, device):
         return None
     argv = [
         sys.executable,
@@ -105,18 +109,16 @@ def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, ti
 
     started = time.monotonic()
     one_engine = recipe.model_copy(update={"inference": recipe.inference.model_copy(update={"engines": 1})})
-    engines_on = inference_machine(one_engine, machine, trainer_device(one_engine, machine))
+    device = trainer_device(one_engine, machine)
+    engines_on = inference_machine(one_engine, machine, device)
+    no_model_fix = "see skyrl doctor's package lines; scripts/setup.sh installs the tested set"
     with tempfile.TemporaryDirectory(prefix="skyrl-doctor-smoke-") as scratch:
         model_dir, why = _model_dir(one_engine, base_dir, Path(scratch), timeout_s)
         if model_dir is None:
-            return failed(
-                "engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set"
-            )
-        served, why = _served_model(one_engine, model_dir, Path(scratch), timeout_s)
+            return failed("engine smoke test", why, no_model_fix)
+        served, why = _served_model(one_engine, device, model_dir, Path(scratch), machine, timeout_s)
         if served is None:
-            return failed(
-                "engine smoke test", why, "see skyrl doctor's package lines; scripts/setup.sh installs the tested set"
-            )
+            return failed("engine smoke test", why, no_model_fix)
         (port,) = find_free_ports(1)
         (spec,) = engine_specs(one_engine, engines_on, [port], str(served))
         url = engine_url(engines_on, port)
@@ -126,9 +128,8 @@ def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, ti
                 supervisor.wait_ready([spec.name], timeout_s=max(timeout_s - (time.monotonic() - started), 1.0))
                 text = _generate(url)
                 remaining = max(timeout_s - (time.monotonic() - started), 30.0)
-                sync = _sync_round_trip(
-                    one_engine, engine_dtype(one_engine, engines_on), url, model_dir, Path(scratch), remaining
-                )
+                dtype = engine_dtype(one_engine, engines_on)
+                sync = _sync_round_trip(one_engine, device, dtype, url, model_dir, Path(scratch), remaining)
         except (SkyrlError, OSError, ValueError, KeyError, httpx.HTTPError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0].split("; see ")[0]
             last = (

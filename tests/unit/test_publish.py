@@ -73,6 +73,6 @@ def test_nccl_sends_every_version_but_the_first_which_goes_as_files(tmp_path):
 @pytest.mark.parametrize("weight_sync, kind", [("disk", "full"), ("lora", "adapter"), ("nccl", "full")])
 def test_the_plans_transport_picks_the_publisher(tmp_path, weight_sync, kind):
     export, exchange = Export(), Exchange(tmp_path)
-    publisher = weight_publisher(weight_sync, exchange, rank(True), export, recipe(), 0, lambda: None)
+    publisher = weight_publisher(weight_sync, exchange, rank(True), export, recipe(), 0, sender=None)
     publisher.publish(0)
     assert export.calls == [(kind, tmp_path / "v0")]
