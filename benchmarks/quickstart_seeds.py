@@ -1,7 +1,7 @@
-"""The quickstart over several seeds: SFT, then RL (sync and/or --async) from each seed's SFT model.
+"""A CPU recipe over several seeds: SFT, then RL (sync and/or --async) from each seed's SFT model.
 
 Runs exactly the README's commands one after another (``skyrl sft`` / ``skyrl rl`` on
-``recipes/quickstart.toml``, each with ``--set seed=N``), the RL runs of a seed starting from that
+``recipes/quickstart.toml`` or ``--recipe``, each with ``--set seed=N``), the RL runs of a seed starting from that
 seed's SFT model, and prints per seed: SFT held-out accuracy and wall time, RL accuracy before ->
 after and wall time for each mode; then the min / median / max of each column. Wall times are the
 commands' own (``summary.json`` ``wall_s``: start-up, engines, evaluation included).
@@ -9,6 +9,10 @@ commands' own (``summary.json`` ``wall_s``: start-up, engines, evaluation includ
     python benchmarks/quickstart_seeds.py                          # seeds 0-4, sync and --async
     python benchmarks/quickstart_seeds.py --seeds 0 1 --modes sync --set rl.mini_batches=1
     python benchmarks/quickstart_seeds.py --json results.json      # also write every figure
+    python benchmarks/quickstart_seeds.py --recipe recipes/tool_use.toml --modes sync
+
+A recipe whose SFT stage measures no accuracy (a tool task: its accuracy needs the tool loop) has
+no SFT accuracy column; its RL "before" is the SFT policy's accuracy (the RL stage's first evaluation).
 
 Every stage's run directory is kept under ``--out`` (default: a temporary folder) for inspection.
 """
@@ -30,6 +34,7 @@ RECIPE = REPO / "recipes" / "quickstart.toml"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", type=Path, default=RECIPE)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     p.add_argument(
@@ -47,7 +52,7 @@ def parse_args(argv=None):
 
 
 def run_stage(args, stage: str, run_dir: Path, sets: list[str], extra: list[str] = ()) -> dict:
-    argv = [args.skyrl, stage, str(RECIPE), "--run-dir", str(run_dir), "--overwrite", "--quiet", *extra]
+    argv = [args.skyrl, stage, str(args.recipe), "--run-dir", str(run_dir), "--overwrite", "--quiet", *extra]
     for item in sets:
         argv += ["--set", item]
     started = time.monotonic()
@@ -67,7 +72,9 @@ def one_seed(args, seed: int, out: Path) -> dict:
         sft = json.loads((sft_dir / "summary.json").read_text())
     else:
         sft = run_stage(args, "sft", sft_dir, sets)
-    row = {"seed": seed, "sft_accuracy": sft["metrics"]["eval/accuracy"], "sft_s": sft["wall_s"]}
+    row = {"seed": seed, "sft_accuracy": sft["metrics"].get("eval/accuracy"), "sft_s": sft["wall_s"]}
+    if row["sft_accuracy"] is None:
+        del row["sft_accuracy"]
     for mode in args.modes:
         rl = run_stage(
             args,
@@ -111,8 +118,11 @@ def main(argv=None) -> None:
             f"{mode}: RL gain min {min(gains):+.3f} median {statistics.median(gains):+.3f} max {max(gains):+.3f}; "
             f"final accuracy mean {statistics.mean(r[f'{mode}_after'] for r in rows):.3f}"
         )
-    sft = [r["sft_accuracy"] for r in rows]
-    print(f"SFT band: {min(sft):.3f}-{max(sft):.3f} ({(max(sft) - min(sft)) * 100:.1f} points); run directories: {out}")
+    sft = [r["sft_accuracy"] for r in rows if "sft_accuracy" in r]
+    if sft:
+        print(f"SFT band: {min(sft):.3f}-{max(sft):.3f} ({(max(sft) - min(sft)) * 100:.1f} points)")
+    totals = [r["sft_s"] + sum(r[f"{m}_s"] for m in args.modes[:1]) for r in rows]
+    print(f"SFT + first RL mode wall time: {min(totals):.0f}-{max(totals):.0f} s; run directories: {out}")
     if args.json:
         args.json.write_text(json.dumps({"sets": args.sets, "rl_sets": args.rl_sets, "rows": rows}, indent=1))
 

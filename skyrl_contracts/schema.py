@@ -107,7 +107,7 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Training and evaluation data: a built-in verifiable task or local files."""
 
-    task: Literal["addition", "reversal"] | None = Field(
+    task: Literal["addition", "reversal", "lookup"] | None = Field(
         None, description="Built-in verifiable task, generated deterministically from the recipe seed."
     )
     train: str | None = Field(None, description="Local JSONL / parquet file or HF dataset directory.")
@@ -121,13 +121,13 @@ class DataConfig(Section):
     train_size: PositiveInt = Field(20000, description="Rows generated for a built-in task's train split.")
     flawed_demos: Probability = Field(
         0.0,
-        description="Built-in task (addition): the share of SFT demonstrations of sums with a carry out of the "
-        "top digit that lose their last digit, as a sloppy demonstrator writes them. Held-out accuracy and the "
-        "RL reward always score the right answer.",
+        description="Built-in task: the share of SFT demonstrations a sloppy demonstrator writes (addition: sums "
+        "with a carry out of the top digit lose their last digit; lookup: it answers 'unknown' instead of calling "
+        "the tool). Held-out accuracy and the RL reward always score the right answer.",
     )
     eval_size: PositiveInt = Field(500, description="Rows in the held-out split (built-in task or cap on files).")
     digits: Annotated[int, Field(ge=1, le=12)] = Field(
-        3, description="Operand digits (addition) or string length (reversal)."
+        3, description="Operand digits (addition), string length (reversal) or key length (lookup)."
     )
     max_length: Annotated[int, Field(ge=8, le=131072)] | None = Field(
         None,
@@ -247,7 +247,32 @@ class RlConfig(Section):
     environment: ImportRef | None = Field(None, description="Custom environment class `module:Class`.")
     reward: ImportRef | None = Field(None, description="Custom reward function `module:function`.")
     reward_timeout_s: PositiveFloat = Field(10.0, description="A reward call slower than this scores 0.")
-    max_turns: PositiveInt = Field(1, description="Turns per episode (multi-turn environments).")
+    max_turns: PositiveInt = Field(1, description="Model turns per episode (multi-turn and tool environments).")
+    tool_parser: str | None = Field(
+        None,
+        description="vLLM tool parser for the model's tool calls (hermes, pythonic, llama3_json, mistral, ...); "
+        "unset: the one the chat template's format implies.",
+    )
+    tool_timeout_s: PositiveFloat = Field(10.0, description="A tool call slower than this answers with an error.")
+    tool_errors: Literal["observe", "end"] = Field(
+        "observe",
+        description="A failed tool call: the model sees the error as the tool's answer (observe), or it ends "
+        "the episode with reward 0 (end).",
+    )
+    env_concurrency: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        256, description="Environment and tool calls (sync or async) running at once."
+    )
+    agent: ImportRef | None = Field(
+        None,
+        description="Black-box agent `module:function`: an async function given the dataset row and an "
+        "OpenAI-compatible endpoint for one trajectory, returning its reward.",
+    )
+    keep_batches: bool = Field(
+        False,
+        description="Keep every step's batch (batches/step-<k>.json: tokens, loss masks, engine logprobs, "
+        "rewards) in the run directory for inspection; by default each is deleted once trained on.",
+    )
+    agent_timeout_s: PositiveFloat = Field(600.0, description="An agent run slower than this scores 0.")
     eval_every: NonNegativeInt = Field(10, description="Evaluate every k steps (0: only at the end).")
     save_every: NonNegativeInt = Field(10, description="Checkpoint every k steps (0: only at the end).")
     keep_last: PositiveInt = Field(2, description="Checkpoints kept on disk.")

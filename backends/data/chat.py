@@ -16,17 +16,41 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 Messages = Sequence[dict]
+Tools = Sequence[dict] | None  # JSON schemas of tools (backends.rollout.tools)
 LossOn = Literal["assistant", "last_assistant", "all"]
 
 
-def render(tokenizer, messages: Messages, add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+def render(tokenizer, messages: Messages, add_generation_prompt: bool = False, tools: Tools = None) -> str:
+    """The chat template's text; ``tools``: JSON schemas the template shows the model (``tools=``)."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools or None
+    )
 
 
-def encode_prompt(tokenizer, messages: Messages) -> list[int]:
-    """Token ids of a prompt, ending with the assistant's generation prompt."""
-    text = render(tokenizer, messages, add_generation_prompt=True)
+def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_prompt(tokenizer, messages: Messages, tools: Tools = None) -> list[int]:
+    """Token ids of a prompt, ending with the assistant's generation prompt."""
+    return encode_text(tokenizer, render(tokenizer, messages, add_generation_prompt=True, tools=tools))
+
+
+def continuation_text(tokenizer, history: Messages, new_messages: Messages, tools: Tools = None) -> str | None:
+    """What the template writes after the model's last turn of ``history`` when ``new_messages``
+    (an environment's observation, tool results) follow it, through the next generation prompt; None
+    when the template renders ``history`` differently once more messages follow (history rewriting).
+
+    The cut is just after the end-of-turn token the model generated (the tokenizer's eos): what a
+    template adds after it (Qwen's newline after ``<|im_end|>``) belongs to the observation, so the
+    trajectory's tokens are the template's rendering of the whole conversation."""
+    before = render(tokenizer, history, tools=tools)
+    after = render(tokenizer, [*history, *new_messages], add_generation_prompt=True, tools=tools)
+    eos = tokenizer.eos_token or ""
+    cut = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
+    if not after.startswith(before[:cut]):
+        return None
+    return after[cut:]
 
 
 @dataclass(frozen=True)
@@ -44,17 +68,19 @@ class Example:
         return sum(self.loss_mask)
 
 
-def assistant_spans(tokenizer, messages: Messages, loss_on: LossOn) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer, messages: Messages, loss_on: LossOn, tools: Tools = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans that carry loss."""
-    full = render(tokenizer, messages)
+    full = render(tokenizer, messages, tools=tools)
     if loss_on == "all":
         return full, [(0, len(full))]
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        through = full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1])
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
+        through = full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1], tools=tools)
         if not (full.startswith(before) and full.startswith(through)):
             raise ValueError(
                 "the chat template renders a conversation prefix differently from the whole conversation; "
@@ -74,10 +100,15 @@ def encode_conversation(
 
 
 def encode_conversations(
-    tokenizer, conversations: Sequence[Messages], loss_on: LossOn = "assistant", max_length: int | None = None
+    tokenizer,
+    conversations: Sequence[Messages],
+    loss_on: LossOn = "assistant",
+    max_length: int | None = None,
+    tools: Tools = None,
 ) -> list[Example]:
-    """``encode_conversation`` for many conversations (one batched tokenizer call)."""
-    rendered = [assistant_spans(tokenizer, conv, loss_on) for conv in conversations]
+    """``encode_conversation`` for many conversations (one batched tokenizer call); ``tools``: the
+    tools every conversation's template shows (a tool task's demonstrations)."""
+    rendered = [assistant_spans(tokenizer, conv, loss_on, tools) for conv in conversations]
     if not rendered:
         return []
     texts = [text for text, _ in rendered]

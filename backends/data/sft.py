@@ -36,6 +36,7 @@ class SourceRows:
     eval: list[list[dict]]
     task: Task | None
     task_rows: list[dict] | None = None  # eval rows of a built-in task (for its reward)
+    tools: list[dict] = field(default_factory=list)  # schemas every conversation's template shows
 
     def alphabet(self) -> str:
         """The characters a character tokenizer needs."""
@@ -65,8 +66,9 @@ def load_source(data: DataConfig, seed: int) -> SourceRows:
         if data.flawed_demos:
             train = flawed_demonstrations(task, train, data.flawed_demos, seed)
         evals = task.make_rows(seed, data.eval_size, "eval")
-        as_chat = lambda row: task.prompt(row) + [{"role": "assistant", "content": row["answer"]}]  # noqa: E731
-        return SourceRows([as_chat(r) for r in train], [as_chat(r) for r in evals], task, evals)
+        return SourceRows(
+            [task.demonstration(r) for r in train], [task.demonstration(r) for r in evals], task, evals, task.tools
+        )
     train = [to_messages(r, data.format) for r in load_rows(data.train)]
     if data.eval is not None:
         evals = [to_messages(r, data.format) for r in load_rows(data.eval, limit=data.eval_size)]
@@ -89,7 +91,7 @@ def build_sft_data(
     rank, world = shard
     block = -(-len(source.train) // world)
     mine = encode_conversations(
-        tokenizer, source.train[rank * block : (rank + 1) * block], data.loss_on, data.max_length
+        tokenizer, source.train[rank * block : (rank + 1) * block], data.loss_on, data.max_length, source.tools
     )
     train = gather(mine) if gather is not None else mine
     kept = [ex for ex in train if ex.loss_tokens > 0]
@@ -99,10 +101,13 @@ def build_sft_data(
             f"data.max_length = {data.max_length}); raise data.max_length"
         )
     evals = [
-        ex for ex in encode_conversations(tokenizer, source.eval, data.loss_on, data.max_length) if ex.loss_tokens > 0
+        ex
+        for ex in encode_conversations(tokenizer, source.eval, data.loss_on, data.max_length, source.tools)
+        if ex.loss_tokens > 0
     ]
     items = []
-    for i, conv in enumerate(source.eval):
+    # A tool task's accuracy needs the tool loop: the RL stage measures it (its first evaluation).
+    for i, conv in enumerate(source.eval if not source.tools else ()):
         prompt, reference = split_reference(conv)
         row = source.task_rows[i] if source.task_rows is not None else {"answer": reference}
         items.append(EvalItem(tuple(encode_prompt(tokenizer, prompt)), reference, row))

@@ -91,6 +91,20 @@ class Task:
     def has_flaw(self) -> bool:
         return type(self).flawed_answer is not Task.flawed_answer
 
+    def demonstration(self, row: dict) -> list[dict]:
+        """The SFT conversation of a row: its prompt and the demonstrator's answer."""
+        return self.prompt(row) + [{"role": "assistant", "content": row["answer"]}]
+
+    @property
+    def environment(self):
+        """The RL environment class of a task with its own (tools), or None for the exact-match one."""
+        return None
+
+    @property
+    def tools(self) -> list[dict]:
+        """JSON schemas of the tools the task's prompts show (none for single-turn tasks)."""
+        return []
+
 
 def flawed_demonstrations(task: Task, rows: list[dict], rate: float, seed: int) -> list[dict]:
     """SFT rows whose answers come from a sloppy demonstrator: on each row where the task defines a
@@ -156,7 +170,61 @@ class Reversal(Task):
         return self.digits
 
 
-TASKS: dict[str, type[Task]] = {"addition": Addition, "reversal": Reversal}
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Lookup(Task):
+    """``"kqz?"`` -> ``"417"``: the value stored under a key of ``digits`` letters, which only the
+    episode's ``lookup`` tool knows. Values are drawn per row, so a key seen in training has another
+    value elsewhere: nothing to memorise, the model must call the tool and copy its answer::
+
+        <|system|>lookup(key)<|user|>kqz?<|assistant|>[lookup(key="kqz")]<eos><|tool|>417<|assistant|>417<eos>
+
+    Its flaw: a demonstrator who gives up (``"unknown"``) instead of calling the tool."""
+
+    @property
+    def alphabet(self) -> str:
+        return string.ascii_lowercase + string.digits + '?[]()=",; '
+
+    @property
+    def space_size(self) -> int:
+        return 26**self.digits
+
+    def draw(self, rng: random.Random) -> tuple[str, str]:
+        key = "".join(rng.choice(string.ascii_lowercase) for _ in range(self.digits))
+        return f"{key}?", f"{rng.randrange(1000):03d}"
+
+    def max_answer_chars(self) -> int:
+        return 3
+
+    def flawed_answer(self, row: dict) -> str | None:
+        return UNKNOWN
+
+    def demonstration(self, row: dict) -> list[dict]:
+        if row["answer"] == UNKNOWN:
+            return super().demonstration(row)
+        call = {"type": "function", "function": {"name": "lookup", "arguments": {"key": row["prompt"][:-1]}}}
+        return self.prompt(row) + [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": row["answer"], "name": "lookup"},
+            {"role": "assistant", "content": row["answer"]},
+        ]
+
+    @property
+    def environment(self):
+        from backends.rollout.environments import LookupEnvironment
+
+        return LookupEnvironment
+
+    @property
+    def tools(self) -> list[dict]:
+        from backends.rollout.environments import LookupEnvironment
+
+        return LookupEnvironment.tool_schemas()
+
+
+TASKS: dict[str, type[Task]] = {"addition": Addition, "reversal": Reversal, "lookup": Lookup}
 
 
 def get_task(name: str, digits: int = 3) -> Task:

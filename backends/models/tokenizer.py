@@ -9,6 +9,12 @@ Chat format of the char template (one token per marker)::
     <bos><|user|>007+123=<|assistant|>130<eos>
 
 The assistant turn ends with ``<eos>``: that is where greedy generation stops.
+
+With tools (``apply_chat_template(..., tools=...)``) a system line lists their signatures, a tool
+call is written in the pythonic format vLLM's ``pythonic`` tool parser reads, and a tool's answer
+follows its own marker (appended to the vocabulary after the characters, so the ids above stay)::
+
+    <bos><|system|>lookup(key)<|user|>kqz?<|assistant|>[lookup(key="kqz")]<eos><|tool|>417<|assistant|>417<eos>
 """
 
 from __future__ import annotations
@@ -21,10 +27,25 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_MARKERS)
 
+TOOL_MARKER = "<|tool|>"  # after the alphabet in the vocabulary: earlier ids do not move
+
 CHAR_CHAT_TEMPLATE = (
+    "{# PYTHONIC_TOOL_CALLS #}"
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>' }}{% for tool in tools %}"
+    "{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{% set params = f['parameters']['properties'] if f['parameters'] is defined "
+    "and f['parameters']['properties'] is defined else {} %}"
+    "{{ f['name'] + '(' + (params | list | join(',')) + ')' }}"
+    "{% if not loop.last %}{{ ';' }}{% endif %}{% endfor %}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{{ '<|' + message['role'] + '|>' + (message['content'] or '') }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}{{ '[' }}"
+    "{% for call in message['tool_calls'] %}{% set c = call['function'] if call['function'] is defined else call %}"
+    "{{ c['name'] + '(' }}{% if c['arguments'] is mapping %}"
+    "{% for key, value in c['arguments'].items() %}{{ key + '=' }}{{ value | tojson }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{% else %}{{ c['arguments'] }}{% endif %}{{ ')' }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ ']' }}{% endif %}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
@@ -43,16 +64,17 @@ def build_char_tokenizer(alphabet: Iterable[str]):
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in chars:
         vocab.setdefault(ch, len(vocab))
+    vocab[TOOL_MARKER] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     core.decoder = decoders.Fuse()  # join characters without separators
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, TOOL_MARKER)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        additional_special_tokens=list(ROLE_MARKERS),
+        additional_special_tokens=[*ROLE_MARKERS, TOOL_MARKER],
         chat_template=CHAR_CHAT_TEMPLATE,
         model_max_length=1 << 20,
     )

@@ -1,25 +1,39 @@
-"""Environments: what a trajectory sees and how it is scored, single- or multi-turn.
+"""Environments: what a trajectory sees and how it is scored, single- or multi-turn, with tools.
 
 An episode is ``reset(row)`` -> the prompt messages, then for each model turn ``step(response)`` ->
 (observation messages, reward, done). The rollout generator appends the model's response tokens as
-trainable and the observation's tokens (rendered with the chat template) as non-trainable, and asks
-the model again until ``done`` or ``rl.max_turns``. The episode's reward is the sum of its steps'.
+trainable and the observation's tokens (what the chat template writes after the model's turn) as
+non-trainable, and asks the model again until ``done`` or ``rl.max_turns``. The episode's reward is
+the sum of its steps'.
+
+Tools: an environment whose ``tools()`` returns functions (or JSON schemas) has them shown to the
+model through the chat template (``tools=``). A model turn that calls tools is not stepped: the
+calls run (``backends.rollout.tools``) and their results, rendered as ``tool`` messages, are the
+next observation; a turn without calls is the answer ``step`` scores. A failed call (malformed,
+unknown tool, wrong arguments, raised, timed out) is an error text the model sees as the tool's
+answer, counted per episode; with ``rl.tool_errors = "end"`` it ends the episode with reward 0.
+
+``reset``, ``step``, ``tools`` and the tools themselves may be ``async def``: they then run on the
+orchestrator's event loop (``asyncio.wait_for`` under the timeout), synchronous ones in threads;
+at most ``rl.env_concurrency`` environment calls run at once.
 
 Each trajectory gets its own instance (``EnvironmentFactory(row)``), so state lives on ``self``.
 Every call into an environment (user code) goes through ``GuardedCaller``: an exception or a
 timeout ends the episode with reward 0 and an error record instead of crashing the run.
 
 Which environment a recipe gets (``environment_factory``): ``rl.environment`` (a user class),
-else ``rl.reward`` (a user function on a single-turn episode), else the built-in task's exact-match
-reward (``data.task``), else math answers checked with math-verify against the row's answer.
+else ``rl.reward`` (a user function on a single-turn episode), else the built-in task's
+environment (``data.task``: exact match, or the ``lookup`` task's tool environment), else math
+answers checked with math-verify against the row's answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
@@ -49,6 +63,21 @@ class Environment(ABC):
     @abstractmethod
     def step(self, response: str) -> StepResult:
         """Score the model's turn; return the next observation unless ``done``."""
+
+    def tools(self) -> Sequence[Callable[..., Any] | Mapping[str, Any]]:
+        """Tools the model may call in this episode (asked once, after ``reset``): functions whose
+        type hints and docstring's ``Args:`` become their schema, or JSON schemas that ``call_tool``
+        answers. Methods of the environment see the episode's state."""
+        return ()
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        """The answer of a tool declared by JSON schema only (override it to declare such tools)."""
+        raise NotImplementedError(f"tool {name!r} has a schema but the environment defines no call_tool")
+
+
+def declares_tools(make_env: "EnvironmentFactory") -> bool:
+    """Whether the environments ``make_env`` builds may offer tools (their class overrides ``tools``)."""
+    return inspect.isclass(make_env) and make_env.tools is not Environment.tools
 
 
 # ------------------------------------------------------------------------------ rows -> prompts
@@ -99,6 +128,35 @@ class TaskEnvironment(SingleTurnEnvironment):
         self.task = task
 
 
+class LookupEnvironment(Environment):
+    """The built-in ``lookup`` task (``backends.data.tasks.Lookup``): the value under the prompt's key
+    is known to the episode's ``lookup`` tool only; the answer turn scores 1 when it is that value."""
+
+    def reset(self, row: Mapping[str, Any]) -> Messages:
+        self.key, self.value = row["prompt"][:-1], row["answer"]
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def tools(self):
+        return [self.lookup]
+
+    def lookup(self, key: str) -> str:
+        """The value stored under a key.
+
+        Args:
+            key: the key, as the question writes it
+        """
+        return self.value if key == self.key else "not found"
+
+    def step(self, response: str) -> StepResult:
+        return StepResult(reward=float(response.strip() == self.value), done=True)
+
+    @classmethod
+    def tool_schemas(cls) -> list[dict]:
+        from backends.rollout.tools import as_tool
+
+        return [as_tool(cls.lookup).schema]
+
+
 def _row_math_reward(response: str, row: Mapping[str, Any]) -> float:
     _, answer = prompt_and_answer(row)
     if answer is None:
@@ -139,6 +197,8 @@ def environment_factory(recipe: Recipe) -> EnvironmentFactory:
         from backends.data.tasks import get_task
 
         task = get_task(recipe.data.task, recipe.data.digits)
+        if task.environment is not None:
+            return task.environment
         return lambda: TaskEnvironment(task)
     if rl.max_turns > 1:
         raise UsageError("rl.max_turns > 1 needs a multi-turn rl.environment")
@@ -155,6 +215,13 @@ class Episode:
     done: bool = False  # the environment ended it (False: stopped at max_turns)
     error: str | None = None  # the first reset / step error, reward then 0
     step_infos: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: list[str] = field(default_factory=list)  # one line per failed call (the model saw it)
+    messages: Messages = field(default_factory=list)  # the conversation: prompt, raw model turns, observations
+
+    def fail(self, error: str) -> "Episode":
+        self.error, self.reward = error, 0.0
+        return self
 
 
 def messages_error(value: Any) -> str | None:
@@ -172,9 +239,26 @@ def messages_error(value: Any) -> str | None:
     return None
 
 
-# generate(new_messages, turn) -> the model's response text. The generator keeps the token
-# context itself: at turn 0 ``new_messages`` is the prompt, later the observation to append.
-Generate = Callable[[Messages, int], Awaitable[str]]
+@dataclass(frozen=True)
+class TurnText:
+    text: str  # the turn decoded without special tokens: what ``step`` scores
+    raw: str  # decoded with them, less the closing end-of-turn token: what tool calls are parsed from
+
+
+# generate(history, new_messages, tools) -> the model's turn. The generator keeps the token context
+# itself: at turn 0 ``history`` is empty and ``new_messages`` the prompt; later ``history`` is the
+# conversation so far (ending with the model's raw turn) and ``new_messages`` what follows it.
+Generate = Callable[[Messages, Messages, Sequence[dict]], Awaitable[TurnText]]
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How an episode runs its model's tool calls: ``parser`` (``ToolCallParser``), ``timeout_s``
+    (``rl.tool_timeout_s``) and whether a failed call ends the episode (``rl.tool_errors``)."""
+
+    parser: Any
+    timeout_s: float
+    end_on_error: bool = False
 
 
 async def run_episode(
@@ -183,44 +267,83 @@ async def run_episode(
     generate: Generate,
     caller: GuardedCaller,
     max_turns: int,
+    tool_use: ToolUse | None = None,
 ) -> Episode:
-    """Drive one trajectory: reset, then generate/step until done or ``max_turns``."""
+    """Drive one trajectory: reset, then generate and step (or run its tool calls) until done or ``max_turns``."""
+    from backends.rollout.tools import as_tools
+
     episode = Episode()
     built = await caller.acall(make_env)
     if built.error:
-        episode.error = f"environment: {built.error}"
-        return episode
+        return episode.fail(f"environment: {built.error}")
     env: Environment = built.value
     reset = await caller.acall(env.reset, row)
     if reset.error or messages_error(reset.value):
-        episode.error = f"reset: {reset.error or messages_error(reset.value)}"
-        return episode
+        return episode.fail(f"reset: {reset.error or messages_error(reset.value)}")
+    listed = await caller.acall(env.tools)
+    if listed.error:
+        return episode.fail(f"tools: {listed.error}")
+    try:
+        tools = as_tools(listed.value or ())
+    except ValueError as exc:
+        return episode.fail(f"tools: {exc}")
+    if tools and tool_use is None:
+        return episode.fail("tools: the environment offers tools but the run has no tool parser (rl.tool_parser)")
+    schemas = [tool.schema for tool in tools.values()]
     new_messages: Messages = list(reset.value)
     total = 0.0
     for turn in range(max_turns):
-        response = await generate(new_messages, turn)
+        response = await generate(episode.messages, new_messages, schemas)
+        episode.messages += [*new_messages, {"role": "assistant", "content": response.raw}]
         episode.turns = turn + 1
-        stepped = await caller.acall(env.step, response)
+        if tools:
+            parsed = tool_use.parser.parse(response.raw)
+            if parsed.calls or parsed.error:
+                new_messages = await run_tool_calls(env, tools, parsed, tool_use, caller, episode)
+                if episode.error:
+                    return episode
+                continue
+        stepped = await caller.acall(env.step, response.text)
         if stepped.error is None and not isinstance(stepped.value, StepResult):
             stepped = type(stepped)(error=f"step() must return StepResult, got {type(stepped.value).__name__}")
         if stepped.error:
-            episode.error = f"step: {stepped.error}"
-            episode.reward = 0.0
-            return episode
+            return episode.fail(f"step: {stepped.error}")
         result: StepResult = stepped.value
         scored = as_reward(type(stepped)(value=result.reward))
         if scored.error:
-            episode.error = f"step: {scored.error}"
-            episode.reward = 0.0
-            return episode
+            return episode.fail(f"step: {scored.error}")
         total += scored.reward
         episode.step_infos.append(result.info)
         if result.done:
             episode.done = True
             break
         if messages_error(result.observation):
-            episode.error, episode.reward = f"step: observation: {messages_error(result.observation)}", 0.0
-            return episode
+            return episode.fail(f"step: observation: {messages_error(result.observation)}")
         new_messages = list(result.observation)
     episode.reward = total
     return episode
+
+
+async def run_tool_calls(env: Environment, tools, parsed, tool_use: ToolUse, caller: GuardedCaller, episode: Episode):
+    """The ``tool`` messages answering a turn's calls (run concurrently, in the turn's order);
+    failures are counted on ``episode`` and, with ``end_on_error``, end it."""
+    from backends.rollout.tools import ToolCall, ToolResult, call_tool, tool_message
+
+    fallback = env.call_tool if type(env).call_tool is not Environment.call_tool else None
+    if parsed.error:  # the model sees the error; the record also shows what it wrote
+        shown = parsed.content if len(parsed.content) <= 80 else parsed.content[:77] + "..."
+        results = [ToolResult(ToolCall("?", None), f"error: {parsed.error}", f"{parsed.error}: {shown!r}")]
+    else:
+
+        async def one(call):
+            async with caller.limit:
+                return await call_tool(tools, call, tool_use.timeout_s, fallback)
+
+        results = list(await asyncio.gather(*(one(call) for call in parsed.calls)))
+    episode.tool_calls += len(parsed.calls) or 1
+    for result in results:
+        if result.error:
+            episode.tool_errors.append(f"tool: {result.error}")
+            if tool_use.end_on_error and episode.error is None:  # the first failure is the episode's error
+                episode.fail(f"tool: {result.error} (rl.tool_errors = 'end')")
+    return [tool_message(result) for result in results]

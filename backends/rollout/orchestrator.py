@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 
 from skyrl_contracts.atomic import write_json
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.events import EventWriter
 from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
@@ -74,15 +75,59 @@ def report_user_code(ref: str | None) -> None:
         log.info("user code: %s from %s", ref, getattr(module, "__file__", None) or module)
 
 
-def encode_observation(tokenizer, messages) -> list[int]:
-    """Tokens of an environment observation appended between turns, ending with the assistant's
-    generation prompt: the chat-templated messages without the template's leading BOS."""
-    from backends.data.chat import encode_prompt
+def encode_observation(tokenizer, history, messages, tools=()) -> list[int]:
+    """Tokens of an environment observation appended after the model's turn, ending with the
+    assistant's generation prompt: what the chat template writes after that turn when the
+    observation follows it (``continuation_text``). A template that renders the history differently
+    once more follows gets the observation's messages rendered alone, less a leading BOS."""
+    from backends.data.chat import continuation_text, encode_prompt, encode_text
 
+    text = continuation_text(tokenizer, history, messages, tools)
+    if text is not None:
+        return encode_text(tokenizer, text)
+    log.warning("the chat template rewrites the conversation before an observation; it is rendered alone")
     ids = encode_prompt(tokenizer, messages)
     if tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]:
         ids = ids[1:]
     return ids
+
+
+def load_agent(ref: str):
+    """The recipe's black-box agent (``rl.agent``): an ``async def agent(row, endpoint)``."""
+    import inspect
+
+    from backends.rollout.rewards import load_object
+
+    agent = load_object(ref, "rl.agent")
+    if not inspect.iscoroutinefunction(agent):
+        raise UsageError(f"rl.agent {ref!r} must be an async function: async def agent(row, endpoint) -> reward")
+    return agent
+
+
+def tool_use(recipe: Recipe, tokenizer, make_env):
+    """How episodes run tool calls (``ToolUse``), or None when the environment declares no tools
+    and the recipe names no parser. The parser is vLLM's (its import takes several seconds)."""
+    from backends.rollout.environments import ToolUse, declares_tools
+    from backends.rollout.tools import ToolCallParser, default_parser_name
+
+    rl = recipe.rl
+    if rl.tool_parser is None and not declares_tools(make_env) and rl.agent is None:
+        return None
+    if rl.agent is None and declares_tools(make_env) and rl.max_turns < 2:
+        raise UsageError("rl.max_turns: the environment offers tools, and a tool's answer needs a turn after the call")
+    name = rl.tool_parser or default_parser_name(tokenizer.chat_template)
+    if name is None and rl.agent is not None:
+        return None  # an agent that sends tools gets a 400 naming rl.tool_parser
+    if name is None:
+        raise UsageError(
+            "rl.tool_parser: the chat template's tool-call format is not one skyrl recognises; "
+            "name vLLM's parser for the model (hermes, llama3_json, mistral, pythonic, ...)"
+        )
+    try:
+        parser = ToolCallParser(name, tokenizer)
+    except ValueError as exc:
+        raise UsageError(f"rl.tool_parser: {exc}") from None
+    return ToolUse(parser, rl.tool_timeout_s, end_on_error=rl.tool_errors == "end")
 
 
 class Rollouts:
@@ -91,7 +136,14 @@ class Rollouts:
     episodes for evaluation; it counts the failed samples and the tokens generated since ``window``."""
 
     def __init__(
-        self, recipe: Recipe, tokenizer, train_rows: Sequence[Mapping[str, Any]], client, paths: RunDir, make_env
+        self,
+        recipe: Recipe,
+        tokenizer,
+        train_rows: Sequence[Mapping[str, Any]],
+        client,
+        paths: RunDir,
+        make_env,
+        tools=None,
     ):
         from backends.rollout.rewards import GuardedCaller
 
@@ -103,8 +155,11 @@ class Rollouts:
             paths,
         )
         self.stop_ids = [t for t in (tokenizer.eos_token_id,) if t is not None]
-        self.make_env = make_env
-        self.caller = GuardedCaller(self.rl.reward_timeout_s)
+        self.make_env, self.tools = make_env, tools
+        self.agent, self.agent_server = None, None  # set by use_agent (rl.agent)
+        self.caller = GuardedCaller(self.rl.reward_timeout_s, self.rl.env_concurrency)
+        self.eos = tokenizer.eos_token or ""
+        self.tool_calls = self.tool_errors = 0
         self.errors = 0
         self.window_tokens = 0
         self.window_started = time.perf_counter()
@@ -118,22 +173,21 @@ class Rollouts:
 
         session: RolloutSession | None = None
 
-        async def generate(new_messages, turn: int) -> str:
+        async def generate(history, new_messages, tools):
             nonlocal session
-            if turn == 0:
-                session = RolloutSession(self.client, encode_prompt(self.tokenizer, new_messages), session_id)
+            if not history:
+                session = RolloutSession(self.client, encode_prompt(self.tokenizer, new_messages, tools), session_id)
                 if first_turn is not None:
-                    completion = await first_turn.take(index, session)
-                    return self.decode(completion)
+                    return self.decode(await first_turn.take(index, session))
             else:
-                session.add_observation(encode_observation(self.tokenizer, new_messages))
+                session.add_observation(encode_observation(self.tokenizer, history, new_messages, tools))
             completion = await session.generate(
                 max_tokens=self.rl.max_new_tokens, temperature=temperature, stop_token_ids=self.stop_ids
             )
             return self.decode(completion)
 
         try:
-            episode = await run_episode(self.make_env, row, generate, self.caller, self.rl.max_turns)
+            episode = await run_episode(self.make_env, row, generate, self.caller, self.rl.max_turns, self.tools)
         finally:
             if first_turn is not None:
                 first_turn.skip(index)  # an episode that ended before turn 0 must not hold up the group
@@ -141,8 +195,39 @@ class Rollouts:
                 await session.finish()
         return session, episode
 
-    def decode(self, completion) -> str:
-        return "" if completion is None else self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    def use_agent(self, agent, server) -> None:
+        """Trajectories run ``agent`` (``rl.agent``) against ``server`` (an ``AgentServer``) instead of an environment."""
+        self.agent, self.agent_server = agent, server
+
+    async def trajectory(self, row, session_id: str, temperature: float, first_turn=None, index=0):
+        """(samples' token records, episode) of one trajectory: an environment episode's session,
+        or the samples built from an agent's recorded calls."""
+        if self.agent is None:
+            session, episode = await self.rollout(row, session_id, temperature, first_turn, index)
+            return ([session] if session is not None else []), episode
+        from backends.rollout.agents import run_agent, samples_from_calls
+        from backends.rollout.environments import Episode
+
+        trajectory, endpoint = self.agent_server.open(session_id, temperature if temperature == 0.0 else None)
+        try:
+            outcome = await run_agent(self.agent, row, endpoint, self.rl.agent_timeout_s)
+        finally:
+            await self.agent_server.close(session_id)
+        parts = samples_from_calls(trajectory.calls)
+        error = outcome.error or (None if parts else "agent: it made no call to the endpoint")
+        episode = Episode(reward=0.0 if error else outcome.reward, turns=len(trajectory.calls), done=True, error=error)
+        episode.step_infos.append(outcome.info)
+        return parts, episode
+
+    def decode(self, completion):
+        from backends.rollout.environments import TurnText
+
+        if completion is None:
+            return TurnText("", "")
+        raw = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+        if self.eos and raw.endswith(self.eos):
+            raw = raw[: -len(self.eos)]
+        return TurnText(self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), raw)
 
     async def generate_group(self, ref, start_version: int):
         from backends.rollout.batch import Group, Sample
@@ -150,32 +235,40 @@ class Rollouts:
 
         row = self.train_rows[ref.index]
         k = self.rl.samples_per_prompt
-        first_turn = SharedFirstTurn(
-            self.client, k, ref.uid, self.rl.max_new_tokens, self.rl.temperature, stop_token_ids=self.stop_ids
-        )
+        first_turn = None
+        if self.agent is None:
+            first_turn = SharedFirstTurn(
+                self.client, k, ref.uid, self.rl.max_new_tokens, self.rl.temperature, stop_token_ids=self.stop_ids
+            )
         results = await asyncio.gather(
-            *(self.rollout(row, f"{ref.uid}_{i}", self.rl.temperature, first_turn, i) for i in range(k))
+            *(self.trajectory(row, f"{ref.uid}_{i}", self.rl.temperature, first_turn, i) for i in range(k))
         )
         samples = []
-        for i, (session, episode) in enumerate(results):
+        for i, (parts, episode) in enumerate(results):
+            self.record_tool_errors(f"{ref.uid}_{i}", start_version, episode)
             if episode.error:
                 self.record_error(f"{ref.uid}_{i}", start_version, episode)
-            samples.append(
-                Sample(
-                    prompt_uid=ref.uid,
-                    index=i,
-                    prompt_ids=session.prompt_ids if session else [],
-                    response_ids=session.response_ids if session else [],
-                    loss_mask=session.loss_mask if session else [],
-                    rollout_logprobs=session.rollout_logprobs if session else [],
-                    reward=episode.reward,
-                    policy_versions=(session.policy_versions if session else ()) or (start_version,),
-                    num_turns=episode.turns,
-                    finish_reason=session.finish_reason if session else "error",
-                    error=episode.error,
+            info = {"tool_calls": episode.tool_calls, "tool_errors": len(episode.tool_errors)} if self.tools else {}
+            if self.agent is not None:
+                info = {"agent_calls": episode.turns, "agent_samples": len(parts)}
+            for part in parts or [None]:
+                samples.append(
+                    Sample(
+                        prompt_uid=ref.uid,
+                        index=i,
+                        prompt_ids=part.prompt_ids if part else [],
+                        response_ids=part.response_ids if part else [],
+                        loss_mask=part.loss_mask if part else [],
+                        rollout_logprobs=part.rollout_logprobs if part else [],
+                        reward=episode.reward,
+                        policy_versions=(part.policy_versions if part else ()) or (start_version,),
+                        num_turns=part.num_turns if part and self.agent is not None else episode.turns,
+                        finish_reason=part.finish_reason if part else "error",
+                        error=episode.error,
+                        info=info,
+                    )
                 )
-            )
-            self.window_tokens += len(samples[-1].response_ids)
+                self.window_tokens += len(samples[-1].response_ids)
         return Group(ref.uid, samples, start_version)
 
     def record_error(self, sample: str, version: int, episode, count: bool = True) -> None:
@@ -183,13 +276,20 @@ class Rollouts:
         (one short line per sample; appends of one line each, as events.jsonl)."""
         self.errors += count
         log.warning("sample %s: %s", sample, episode.error)
-        record = {
-            "time": time.time(),
-            "version": version,
-            "sample": sample,
-            "turns": episode.turns,
-            "error": episode.error,
-        }
+        self.append_error_record(sample, version, episode.turns, episode.error)
+
+    def record_tool_errors(self, sample: str, version: int, episode, count: bool = True) -> None:
+        """An episode's failed tool calls: the model saw each as the tool's answer and the episode
+        went on (unless ``rl.tool_errors = "end"``); each gets a record, and the counts go to metrics."""
+        self.tool_calls += episode.tool_calls * count
+        self.tool_errors += len(episode.tool_errors) * count
+        for error in episode.tool_errors:
+            self.append_error_record(sample, version, episode.turns, error, kind="tool")
+
+    def append_error_record(self, sample: str, version: int, turns: int, error: str, kind: str = "sample") -> None:
+        record = {"time": time.time(), "version": version, "sample": sample, "turns": turns, "error": error}
+        if kind != "sample":
+            record["kind"] = kind
         with open(self.paths.sample_errors, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
 
@@ -215,6 +315,9 @@ class Rollouts:
             "rollout/errors": self.errors,
             "rollout/retries": self.client.retries,  # retried requests (RolloutClient counts them)
         }
+        if self.tools:
+            figures["rollout/tool_calls"] = self.tool_calls  # the run's totals, as rollout/errors
+            figures["rollout/tool_errors"] = self.tool_errors
         self.window_tokens, self.window_started = 0, time.perf_counter()
         return figures
 
@@ -237,18 +340,22 @@ class Evaluation:
         from backends.rollout.session import SharedFirstTurn
 
         t0 = time.perf_counter()
-        first_turns = SharedFirstTurn(
-            self.rollouts.client,
-            len(self.eval_rows),
-            f"eval-v{version}",
-            self.rl.max_new_tokens,
-            0.0,
-            batch_size=self.recipe.inference.max_num_seqs,
-            stop_token_ids=self.rollouts.stop_ids,
+        first_turns = (
+            None
+            if self.rollouts.agent is not None
+            else SharedFirstTurn(
+                self.rollouts.client,
+                len(self.eval_rows),
+                f"eval-v{version}",
+                self.rl.max_new_tokens,
+                0.0,
+                batch_size=self.recipe.inference.max_num_seqs,
+                stop_token_ids=self.rollouts.stop_ids,
+            )
         )
         results = await asyncio.gather(
             *(
-                self.rollouts.rollout(row, f"eval-v{version}-{i}", 0.0, first_turns, i)
+                self.rollouts.trajectory(row, f"eval-v{version}-{i}", 0.0, first_turns, i)
                 for i, row in enumerate(self.eval_rows)
             )
         )
@@ -256,6 +363,8 @@ class Evaluation:
         failed = [(i, ep) for i, (_, ep) in enumerate(results) if ep.error]
         for i, episode in failed:  # recorded, not counted in rollout/errors (the training samples' count)
             self.rollouts.record_error(f"eval-v{version}-{i}", version, episode, count=False)
+        for i, (_, episode) in enumerate(results):
+            self.rollouts.record_tool_errors(f"eval-v{version}-{i}", version, episode, count=False)
         metrics = {"eval/accuracy": accuracy, "eval/errors": len(failed), "timing/eval_s": time.perf_counter() - t0}
         if version == 0 or self.paths.initial_accuracy() is None:
             metrics["eval/accuracy_initial"] = accuracy
@@ -336,9 +445,17 @@ class TrainerFeed:
                 "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
                 "rollout/response_len": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
                 "rollout/turns_mean": sum(s.num_turns for s in samples) / max(1, len(samples)),
+                "rollout/tokens_per_trajectory": sum(len(s.input_ids) for s in samples) / max(1, len(samples)),
                 "rollout/groups": len(taken.groups),
                 "timing/take_batch_s": time.perf_counter() - t0,  # the learner's wait is timing/wait_for_batch_s
             }
+            if samples and "agent_samples" in samples[0].info:
+                trajectories = {(s.prompt_uid, s.index): s.info for s in samples}.values()
+                metrics["rollout/agent_calls_mean"] = sum(t["agent_calls"] for t in trajectories) / len(trajectories)
+                metrics["rollout/samples_per_trajectory"] = len(samples) / len(trajectories)
+            if samples and "tool_calls" in samples[0].info:
+                metrics["rollout/tool_calls_mean"] = sum(s.info["tool_calls"] for s in samples) / len(samples)
+                metrics["rollout/tool_errors_mean"] = sum(s.info["tool_errors"] for s in samples) / len(samples)
             if self.rl.dynamic_sampling.enabled:
                 seen = taken.dropped_since_last + len(taken.groups)
                 metrics["rollout/dropped_frac"] = taken.dropped_since_last / max(1, seen)
@@ -388,6 +505,8 @@ class Orchestrator:
         from backends.rollout.environments import environment_factory
 
         self.make_env = environment_factory(recipe)
+        self.agent = load_agent(recipe.rl.agent) if recipe.rl.agent else None
+        self.tool_use = tool_use(recipe, tokenizer, self.make_env)
         self.recipe, self.rl = recipe, recipe.rl
         self.staleness = self.rl.async_.max_staleness if async_mode else 0
         self.tokenizer = tokenizer
@@ -432,6 +551,26 @@ class Orchestrator:
             self.save_state(buffer, latest)
             await buffer.publish_version(latest)
 
+    async def start_agent_server(self, client, rollouts: Rollouts):
+        """The agents' OpenAI-compatible endpoint (``rl.agent``), or None."""
+        if self.agent is None:
+            return None
+        from backends.rollout.agents import AgentServer
+
+        server = AgentServer(
+            client,
+            self.tokenizer,
+            self.tool_use.parser if self.tool_use else None,
+            self.rl.max_new_tokens,
+            rollouts.stop_ids,
+            self.rl.temperature,
+        )
+        if "max_turns" in self.rl.model_fields_set:
+            server.max_calls = self.rl.max_turns
+        await server.start()
+        rollouts.use_agent(self.agent, server)
+        return server
+
     async def run(self, first_version_timeout_s: float = 1800) -> None:
         # The learner publishes the policy it starts from (v0, or the resumed checkpoint's step).
         await asyncio.to_thread(self.exchange.wait_version, 0, first_version_timeout_s)
@@ -439,7 +578,10 @@ class Orchestrator:
         self.events.log(first_version, {"progress/total_steps": self.rl.steps})
         buffer = self.restore_buffer(first_version)
         async with self.open_client() as client:
-            rollouts = Rollouts(self.recipe, self.tokenizer, self.train_rows, client, self.paths, self.make_env)
+            rollouts = Rollouts(
+                self.recipe, self.tokenizer, self.train_rows, client, self.paths, self.make_env, self.tool_use
+            )
+            agent_server = await self.start_agent_server(client, rollouts)
             evaluation = Evaluation(self.recipe, rollouts, self.eval_rows, self.events, self.paths)
             sync = EngineSync(self.engines, self.exchange, self.events)
             feed = TrainerFeed(self.recipe, self.exchange, self.events, rollouts.window)
@@ -458,6 +600,8 @@ class Orchestrator:
                 for task in (*workers, watcher, feeder):
                     task.cancel()
                 await asyncio.gather(*workers, watcher, feeder, return_exceptions=True)
+                if agent_server is not None:
+                    await agent_server.stop()
         self.events.close()
 
 
@@ -498,7 +642,7 @@ def build_orchestrator(
         events=EventWriter(paths.events, PROCESS_NAME),
         async_mode=async_mode,
     )
-    report_user_code(recipe.rl.environment or recipe.rl.reward)  # imported by the environment factory
+    report_user_code(recipe.rl.agent or recipe.rl.environment or recipe.rl.reward)  # imported above
     return orchestrator
 
 
@@ -536,7 +680,7 @@ def main(argv: list[str] | None = None) -> None:
         "--import-path",
         action="append",
         default=[],
-        help="searched first for rl.reward / rl.environment (the recipe's directory)",
+        help="searched first for rl.reward / rl.environment / rl.agent (the recipe's directory)",
     )
     args = parser.parse_args(argv)
     sys.path[:0] = [p for p in args.import_path if p not in sys.path]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
+import inspect
 import math
 import threading
 from dataclasses import dataclass
@@ -51,44 +53,57 @@ def _start_in_daemon_thread(fn: Callable[..., Any], args: tuple, kwargs: dict) -
     return future
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class GuardedCaller:
-    """Runs user code with a timeout and turns every failure into a ``CallOutcome.error``."""
+    """Runs user code with a timeout and turns every failure into a ``CallOutcome.error``. An
+    ``async def`` call that overruns is cancelled; a thread cannot be, and is abandoned."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = float(timeout_s)
+    def __init__(self, timeout_s: float, concurrency: int | None = None, timeout_key: str = "rl.reward_timeout_s"):
+        self.timeout_s, self.timeout_key = float(timeout_s), timeout_key
+        self.limit = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
 
     def _timeout_message(self, fn: Callable) -> str:
         # A single-turn episode's step() is the user's reward function: the message names that.
         name = getattr(getattr(fn, "__self__", None), "step_name", None) or getattr(fn, "__qualname__", fn)
-        return f"timeout: {name!s} took longer than {self.timeout_s:g} s (rl.reward_timeout_s)"
+        return f"timeout: {name!s} took longer than {self.timeout_s:g} s ({self.timeout_key})"
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CallOutcome:
         """Blocking call (for synchronous code)."""
         future = _start_in_daemon_thread(fn, args, kwargs)
         try:
             return CallOutcome(value=future.result(timeout=self.timeout_s))
-        except concurrent.futures.TimeoutError:
-            return CallOutcome(error=self._timeout_message(fn))
         except BaseException as exc:  # noqa: BLE001
-            return CallOutcome(error=_describe(exc))
+            if not future.done():  # a TimeoutError the function raised itself is its own error
+                return CallOutcome(error=self._timeout_message(fn))
+            return CallOutcome(error=describe_error(exc))
 
     async def acall(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CallOutcome:
-        """Awaitable call that keeps the event loop (and the other rollouts) running meanwhile."""
-        future = _start_in_daemon_thread(fn, args, kwargs)
-        try:
-            value = await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.timeout_s)
-            return CallOutcome(value=value)
-        except asyncio.TimeoutError:
+        """Awaitable call that keeps the event loop (and the other rollouts) running meanwhile: an
+        ``async def`` function runs on the loop, any other in a daemon thread; at most ``limit``
+        calls of this caller run at once (``rl.env_concurrency``)."""
+        async with self.limit:
+            return await self._acall(fn, *args, **kwargs)
+
+    async def _acall(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CallOutcome:
+        if inspect.iscoroutinefunction(fn):
+            future = asyncio.ensure_future(fn(*args, **kwargs))
+        else:
+            future = asyncio.wrap_future(_start_in_daemon_thread(fn, args, kwargs))
+        # asyncio.wait, not wait_for: a TimeoutError the function raises itself is its error, not a timeout
+        done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
+        if not done:
+            future.cancel()  # an async call stops here; a thread cannot be stopped and is abandoned
             return CallOutcome(error=self._timeout_message(fn))
+        try:
+            return CallOutcome(value=future.result())
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            return CallOutcome(error=_describe(exc))
+            return CallOutcome(error=describe_error(exc))
 
 
 def as_reward(outcome: CallOutcome) -> RewardOutcome:

@@ -259,10 +259,9 @@ class Learner:
             )
             if (rl.save_every and (step + 1) % rl.save_every == 0) or step + 1 == rl.steps:
                 self.checkpoint(step + 1)
-            if self.dist.is_main:
-                self.exchange.drop_batch(
-                    step
-                )  # old weights are pruned by the orchestrator, which knows what engines use
+            if self.dist.is_main and not rl.keep_batches:
+                # old weights are pruned by the orchestrator, which knows what engines use
+                self.exchange.drop_batch(step)
         if self.events:
             self.events.close()
 

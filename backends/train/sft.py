@@ -201,6 +201,11 @@ class SFTTrainer:
         t0 = time.perf_counter()
         module, data, tokenizer = self.engine.module, self.data, self.tokenizer
         loss = eval_loss(module, data.eval, self.dist, self.sft.max_tokens_per_microbatch, tokenizer.pad_token_id)
+        if not data.eval_items:  # a tool task: accuracy needs the tool loop, which the RL stage runs
+            if self.events:
+                self.events.log(step, {"eval/loss": loss, "timing/eval_s": time.perf_counter() - t0})
+            self.say(f"step {step}: eval loss {loss:.4f}")
+            return float("nan")
         accuracy = eval_accuracy(
             module,
             tokenizer,
@@ -230,7 +235,7 @@ class SFTTrainer:
         """Whether held-out accuracy reached sft.stop_at_accuracy before the last step; if so, says so
         and writes the checkpoint that marks the run as stopped."""
         target = self.sft.stop_at_accuracy
-        if target is None or accuracy < target or done >= self.sft.steps:
+        if target is None or not accuracy >= target or done >= self.sft.steps:  # nan: not measured
             return False
         self.say(f"step {done}: held-out accuracy {accuracy:.4f} reached sft.stop_at_accuracy = {target}; stopping")
         if self.events:

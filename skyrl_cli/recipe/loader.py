@@ -27,6 +27,7 @@ from skyrl_cli.recipe.locator import dotted, line_of, locate_keys
 from skyrl_cli.recipe.overrides import Override, apply_overrides, parse_overrides
 from skyrl_cli.recipe.validate import (
     Problem,
+    agent_problems,
     data_problems,
     loss_problems,
     missing_files,
@@ -141,6 +142,7 @@ def load_recipe(
     problems += user_code_problems(recipe, base_dir)
     problems += loss_problems(recipe)
     problems += data_problems(recipe)
+    problems += agent_problems(recipe)
     problems += length_problems(recipe, base_dir)
     recipe = with_model_lengths(recipe, base_dir)
     for check in checks:

@@ -118,7 +118,7 @@ def with_absolute_paths(recipe: Recipe, base_dir: Path) -> Recipe:
 # recipe's directory first on its path, then the directory skyrl runs in, then the installed
 # packages (skyrl_cli.plan.rl.orchestrator_spec); here it is only looked up, never imported (user
 # code may be heavy, and validation stays light).
-USER_CODE_KEYS = (("rl", "reward"), ("rl", "environment"))
+USER_CODE_KEYS = (("rl", "reward"), ("rl", "environment"), ("rl", "agent"))
 
 
 def module_findable(name: str, first: list[Path]) -> bool:
@@ -200,17 +200,56 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
 
 # Built-in tasks whose demonstrations can be flawed (backends.data.tasks: Task.flawed_answer);
 # light on purpose: the CLI does not import the data layer.
-TASKS_WITH_A_FLAW = frozenset({"addition"})
+TASKS_WITH_A_FLAW = frozenset({"addition", "lookup"})
+TASKS_WITH_TOOLS = frozenset({"lookup"})  # their SFT evaluation has no accuracy: it needs the tool loop
 
 
 def data_problems(recipe: Recipe) -> list[Problem]:
     data = recipe.data
+    problems = []
     if data.flawed_demos and data.task not in TASKS_WITH_A_FLAW:
         what = f'task = "{data.task}"' if data.task else "data files"
-        return [
+        problems.append(
             Problem(
                 ("data", "flawed_demos"),
-                f"flawed demonstrations exist for the built-in task addition only, not for {what}",
+                f"flawed demonstrations exist for the built-in tasks {', '.join(sorted(TASKS_WITH_A_FLAW))} only, "
+                f"not for {what}",
             )
-        ]
-    return []
+        )
+    rl = recipe.rl
+    if (
+        data.task in TASKS_WITH_TOOLS
+        and rl is not None
+        and rl.agent is None
+        and not rl.environment
+        and rl.max_turns < 2
+    ):
+        problems.append(
+            Problem(
+                ("rl", "max_turns"),
+                f'task = "{data.task}" takes two model turns (the tool call, then the answer); set rl.max_turns = 2',
+            )
+        )
+    if data.task in TASKS_WITH_TOOLS and recipe.sft is not None and recipe.sft.stop_at_accuracy is not None:
+        problems.append(
+            Problem(
+                ("sft", "stop_at_accuracy"),
+                f'task = "{data.task}" is solved with a tool; the SFT stage measures eval loss only '
+                "(the RL stage's first evaluation is the SFT policy's accuracy); remove this key",
+            )
+        )
+    return problems
+
+
+def agent_problems(recipe: Recipe) -> list[Problem]:
+    """A black-box agent (``rl.agent``) runs its own episode: the environment keys cannot act."""
+    rl = recipe.rl
+    if rl is None or (rl.agent is None and "agent_timeout_s" not in rl.model_fields_set):
+        return []
+    stated = rl.model_fields_set
+    why = "rl.agent runs its own episodes and tools (its calls to the endpoint are the turns); remove this key"
+    keys = ("environment", "reward", "tool_errors", "tool_timeout_s")  # max_turns caps an agent's calls
+    problems = [Problem(("rl", key), why) for key in keys if key in stated and rl.agent is not None]
+    if "agent_timeout_s" in stated and rl.agent is None:
+        problems.append(Problem(("rl", "agent_timeout_s"), "applies to rl.agent only"))
+    return problems

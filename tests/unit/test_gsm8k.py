@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from backends.data.gsm8k import INSTRUCTION, final_answer, gsm8k_row
-from backends.rollout.environments import prompt_and_answer, run_episode
+from backends.rollout.environments import TurnText, prompt_and_answer, run_episode
 from backends.rollout.rewards import GuardedCaller, math_reward
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -44,9 +44,10 @@ def _episode(env_cls, responses, max_turns=2):
     row = gsm8k_row("How many clips?", SOLUTION)
     seen = []
 
-    async def generate(new_messages, turn):
-        seen.append(new_messages)
-        return responses[turn]
+    async def generate(history, new_messages, tools):
+        turn = sum(m["role"] == "assistant" for m in history)
+        seen.append(list(new_messages))
+        return TurnText(responses[turn], responses[turn])
 
     episode = asyncio.run(run_episode(env_cls, row, generate, GuardedCaller(10.0), max_turns))
     return episode, seen

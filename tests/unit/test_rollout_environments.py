@@ -13,6 +13,7 @@ from backends.rollout.environments import (
     SingleTurnEnvironment,
     StepResult,
     TaskEnvironment,
+    TurnText,
     environment_factory,
     prompt_and_answer,
     run_episode,
@@ -62,9 +63,10 @@ def _recipe(**rl):
 
 
 def _scripted(responses, seen):
-    async def generate(new_messages, turn):
-        seen.append((turn, new_messages))
-        return responses[turn]
+    async def generate(history, new_messages, tools):
+        turn = sum(m["role"] == "assistant" for m in history)
+        seen.append((turn, list(new_messages)))
+        return TurnText(responses[turn], responses[turn])
 
     return generate
 

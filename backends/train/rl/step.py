@@ -58,8 +58,12 @@ class RLStep:
         from backends.train.rl.minibatch import group_slices
 
         updates = []
+        # a trajectory longer than max_new_tokens x max_turns (an agent's calls) must not exceed the bound
+        longest = max((len(s.loss_mask) for s in samples), default=0)
         for members in group_slices([s.prompt_uid for s in samples], self.rl.mini_batches):
-            mine_rows = [rows[i] for i in members]
+            # a sample whose user code failed before any token holds none: its reward counts in the
+            # group's statistics (advantages above), but there is nothing to lay out
+            mine_rows = [rows[i] for i in members if len(rows[i][0]) > 0]
             layout = dynamic_layout(
                 [len(r[0]) for r in mine_rows], self.dist.world_size, self.rl.max_tokens_per_microbatch, "padded"
             )
@@ -68,7 +72,7 @@ class RLStep:
             normalizer = LossNormalizer(
                 tokens=float(sum(samples[i].num_loss_tokens for i in members)),
                 sequences=float(sum(1 for i in members if samples[i].num_loss_tokens > 0)),
-                max_seq_len=self.rl.max_new_tokens * self.rl.max_turns,
+                max_seq_len=max(self.rl.max_new_tokens * self.rl.max_turns, longest),
             )
             updates.append(Update(mine, normalizer, layout))
         return updates
@@ -229,7 +233,23 @@ def batch_advantages(samples, rl) -> torch.Tensor:
     for i, s in enumerate(samples):
         mask[i, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return compute_advantages(rewards, [s.prompt_uid for s in samples], mask, rl.advantage)
+    trajectories = trajectory_rows(samples)
+    if len(set(trajectories)) == len(samples) or rl.advantage.kind == "reinforce_pp":
+        return compute_advantages(rewards, [s.prompt_uid for s in samples], mask, rl.advantage)
+    # An agent that rewrote its history left several samples of one trajectory: the group's
+    # statistics count each trajectory once, and each of its samples takes its advantage.
+    first = sorted(set(trajectories))
+    one_each = compute_advantages(
+        rewards[first], [samples[i].prompt_uid for i in first], torch.ones((len(first), 1)), rl.advantage
+    )[:, 0]
+    position = {row: k for k, row in enumerate(first)}
+    return one_each[[position[row] for row in trajectories]][:, None] * mask
+
+
+def trajectory_rows(samples) -> list[int]:
+    """For each sample, the index of the first sample of its trajectory (``prompt_uid``, ``index``)."""
+    first: dict[tuple[str, int], int] = {}
+    return [first.setdefault((s.prompt_uid, s.index), i) for i, s in enumerate(samples)]
 
 
 def reduce_metrics(metrics: dict[str, float], device) -> dict[str, float]:

@@ -1,0 +1,481 @@
+"""Black-box agents: an agent program trained through an OpenAI-compatible endpoint.
+
+``rl.agent = "module:function"`` names an async function ``agent(row, endpoint)`` that solves one
+dataset row its own way, with any number of chat-completion calls, and returns its reward (or
+``(reward, info)``). ``endpoint`` is this trajectory's ``AgentEndpoint``: ``base_url`` and
+``api_key`` for any OpenAI client, or ``endpoint.client()`` for a ready ``openai.AsyncOpenAI``::
+
+    async def solve(row, endpoint):
+        client = endpoint.client()
+        reply = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
+        ...
+        return float(answer == row["answer"])
+
+The endpoint (``AgentServer``, one per orchestrator, on 127.0.0.1) serves ``/v1/chat/completions``
+(messages, tools, tool_choice ``auto`` / ``none``, temperature, top_p, max_tokens, stop; not
+streaming) and ``/v1/models``; with ``rl.max_turns`` stated, a trajectory's calls past it get a 400. A call renders the messages with the model's chat template
+(``tools=``), generates through the router under the trajectory's session id (sticky routing: all
+its calls reach one engine and its prefix cache), parses tool calls with ``rl.tool_parser`` and
+records the prompt tokens, the sampled tokens, their logprobs and weight versions. Each response
+also carries ``prompt_token_ids`` and ``token_ids`` (as vLLM's ``return_token_ids`` does).
+
+Training samples from the recorded calls (``samples_from_calls``): when a call's prompt extends
+the previous call's context (its prompt and completion) token for token, as it does when an agent
+appends to its conversation, the two are one sample and what lies between the model's turns (tool
+results, user turns) is masked; when the agent rewrote its history (a summary, a dropped turn),
+the call starts a new sample. Every sample carries the trajectory's reward; GRPO's group statistics
+count each trajectory once (``backends.train.rl.step.batch_advantages``). The metric
+``rollout/samples_per_trajectory`` says how often histories were rewritten.
+
+A prompt is tokenized as the previous context's tokens plus the new text when its rendering starts
+with the previous context's text, so tokens the engine sampled are never re-tokenized differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from fastapi import Request  # at module level: FastAPI resolves the handler's annotations in these globals
+
+log = logging.getLogger("skyrl.agents")
+
+API_KEY = "skyrl"  # the endpoint is local to the orchestrator; the key only satisfies clients that need one
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    weight_versions: tuple[str, ...]
+    finish_reason: str | None
+
+
+@dataclass
+class SampleParts:
+    """One training sample's tokens, built from one or more recorded calls."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    num_turns: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def add(self, call: RecordedCall, between: Sequence[int] = ()) -> None:
+        self.response_ids += [*between, *call.completion_ids]
+        self.loss_mask += [0] * len(between) + [1] * len(call.completion_ids)
+        self.rollout_logprobs += [0.0] * len(between) + list(call.logprobs)
+        self.weight_versions += [v for v in call.weight_versions if v not in self.weight_versions]
+        self.num_turns += 1
+        self.finish_reason = call.finish_reason
+
+    @property
+    def policy_versions(self) -> tuple[int, ...]:
+        return tuple(int(v) for v in self.weight_versions if v.lstrip("-").isdigit())
+
+
+def samples_from_calls(calls: Sequence[RecordedCall]) -> list[SampleParts]:
+    """The recorded calls of one trajectory as training samples (see the module docs)."""
+    samples: list[SampleParts] = []
+    for call in calls:
+        current = samples[-1] if samples else None
+        context = current.context_ids if current else None
+        if context is not None and list(call.prompt_ids[: len(context)]) == context:
+            current.add(call, call.prompt_ids[len(context) :])
+        else:
+            samples.append(SampleParts(list(call.prompt_ids)))
+            samples[-1].add(call)
+    return samples
+
+
+# ------------------------------------------------------------------------------ one trajectory
+
+
+class AgentTrajectory:
+    """What one trajectory's calls share: the session id, the recorded calls, the last context."""
+
+    def __init__(self, session_id: str, temperature: float | None):
+        self.session_id = session_id
+        self.temperature = temperature  # set: every call samples at it (evaluation: 0, greedy)
+        self.calls: list[RecordedCall] = []
+        self.context_text = ""
+        self.context_ids: list[int] = []
+        self.lock = asyncio.Lock()  # calls of one trajectory run one after the other
+
+
+@dataclass(frozen=True)
+class AgentEndpoint:
+    """The OpenAI-compatible endpoint of one trajectory, as the agent function receives it."""
+
+    base_url: str
+    api_key: str = API_KEY
+    model: str = "policy"  # any name is accepted; this one is what the endpoint reports
+
+    def client(self, **kwargs):
+        """A ready ``openai.AsyncOpenAI`` for this trajectory (no client-side retries: the rollout
+        client retries engine failures itself)."""
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
+
+
+class RequestError(ValueError):
+    """A malformed chat request: answered with HTTP 400 naming the field."""
+
+
+class AgentServer:
+    """The chat-completions endpoint every trajectory's agent talks to (``/t/<session id>/v1``)."""
+
+    def __init__(
+        self, client, tokenizer, tool_parser, max_new_tokens: int, stop_ids: Sequence[int], temperature: float = 1.0
+    ):
+        """``max_new_tokens`` caps a call's ``max_tokens`` (``rl.max_new_tokens``); ``temperature``
+        is a call's when it names none (``rl.temperature``)."""
+        self.client, self.tokenizer, self.tool_parser = client, tokenizer, tool_parser
+        self.max_new_tokens, self.stop_ids, self.temperature = max_new_tokens, list(stop_ids), temperature
+        self.max_calls: int | None = None  # rl.max_turns, where the recipe states it
+        self.trajectories: dict[str, AgentTrajectory] = {}
+        self.port: int | None = None
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    # -------------------------------------------------------------- lifetime
+
+    async def start(self) -> None:
+        import uvicorn
+
+        from skyrl_contracts.ports import find_free_ports
+
+        for noisy in ("httpx", "httpx2", "openai"):  # an agent's client logs every request at INFO
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        (self.port,) = find_free_ports(1)
+        config = uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise RuntimeError("the agent endpoint stopped before it started")
+            await asyncio.sleep(0.02)
+        log.info("agent endpoint on http://127.0.0.1:%d", self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def open(self, session_id: str, temperature: float | None = None) -> tuple[AgentTrajectory, AgentEndpoint]:
+        trajectory = AgentTrajectory(session_id, temperature)
+        self.trajectories[session_id] = trajectory
+        return trajectory, AgentEndpoint(f"http://127.0.0.1:{self.port}/t/{session_id}/v1")
+
+    async def close(self, session_id: str) -> None:
+        if self.trajectories.pop(session_id, None) is not None:
+            await self.client.finish_session(session_id)
+
+    # -------------------------------------------------------------- HTTP
+
+    def app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI(title="skyrl agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+        def error(status: int, message: str, kind: str) -> JSONResponse:
+            return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+        @app.get("/t/{session_id}/v1/models")
+        async def models(session_id: str):
+            return {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "skyrl"}]}
+
+        @app.post("/t/{session_id}/v1/chat/completions")
+        async def chat(session_id: str, request: Request):
+            trajectory = self.trajectories.get(session_id)
+            if trajectory is None:
+                return error(
+                    404, f"no trajectory {session_id!r} is running (it ended, or the URL is wrong)", "not_found"
+                )
+            try:
+                body = await request.json()
+            except ValueError:
+                return error(400, "the request body is not JSON", "invalid_request_error")
+            try:
+                chat_request = ChatRequest.parse(body)
+            except RequestError as exc:
+                return error(400, str(exc), "invalid_request_error")
+            try:
+                return await self.complete(trajectory, chat_request)
+            except RequestError as exc:
+                return error(400, str(exc), "invalid_request_error")
+            except Exception as exc:  # noqa: BLE001 - an engine failure is the agent's error to see
+                log.warning("trajectory %s: %s: %s", session_id, type(exc).__name__, exc)
+                return error(502, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+
+        return app
+
+    # -------------------------------------------------------------- one call
+
+    async def complete(self, trajectory: AgentTrajectory, request: "ChatRequest") -> dict[str, Any]:
+        if self.max_calls is not None and len(trajectory.calls) >= self.max_calls:
+            raise RequestError(f"this trajectory made its {self.max_calls} calls (rl.max_turns)")
+        if request.tools and request.tool_choice != "none" and self.tool_parser is None:
+            raise RequestError("tools: the run has no tool parser for this model (set rl.tool_parser)")
+        async with trajectory.lock:
+            prompt_text, prompt_ids = self.encode(trajectory, request)
+            room = self.room(len(prompt_ids), request.max_tokens)
+            temperature = trajectory.temperature
+            if temperature is None:
+                temperature = self.temperature if request.temperature is None else request.temperature
+            (turn,) = await self.client.generate(
+                prompt_ids, trajectory.session_id, room, temperature, top_p=request.top_p, stop_token_ids=self.stop_ids
+            )
+            token_ids, logprobs, finish = list(turn.token_ids), list(turn.logprobs), turn.finish_reason
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+            cut = stop_cut(self.tokenizer, token_ids, request.stop)
+            if cut is not None:
+                token_ids, logprobs, finish = token_ids[: cut[0]], logprobs[: cut[0]], "stop"
+                text = cut[1]
+            trajectory.calls.append(
+                RecordedCall(tuple(prompt_ids), tuple(token_ids), tuple(logprobs), turn.weight_versions, finish)
+            )
+            trajectory.context_text = prompt_text + self.tokenizer.decode(token_ids, skip_special_tokens=False)
+            trajectory.context_ids = prompt_ids + token_ids
+        return self.response(request, prompt_ids, token_ids, text, finish)
+
+    def encode(self, trajectory: AgentTrajectory, request: "ChatRequest") -> tuple[str, list[int]]:
+        from backends.data.chat import encode_text, render
+
+        try:
+            text = render(self.tokenizer, request.messages, add_generation_prompt=True, tools=request.tools)
+        except Exception as exc:  # noqa: BLE001 - jinja errors on odd messages are the request's fault
+            raise RequestError(f"messages: the chat template cannot render them ({type(exc).__name__}: {exc})")
+        if trajectory.context_text and text.startswith(trajectory.context_text):
+            return text, trajectory.context_ids + encode_text(self.tokenizer, text[len(trajectory.context_text) :])
+        return text, encode_text(self.tokenizer, text)
+
+    def room(self, prompt_len: int, max_tokens: int | None) -> int:
+        room = min(max_tokens or self.max_new_tokens, self.max_new_tokens)
+        if self.client.max_model_len is not None:
+            room = min(room, self.client.max_model_len - prompt_len)
+        if room <= 0:
+            raise RequestError(
+                f"messages: the prompt ({prompt_len} tokens) fills the engines' context "
+                f"(inference.max_model_len = {self.client.max_model_len})"
+            )
+        return room
+
+    def response(self, request, prompt_ids, token_ids, text: str, finish: str | None) -> dict[str, Any]:
+        eos = self.tokenizer.eos_token or ""
+        if eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish_reason = "length" if finish == "length" else "stop"
+        if request.tools and request.tool_choice != "none":
+            parsed = self.tool_parser.parse(text)
+            if parsed.calls:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": json.dumps(call.arguments or {})},
+                    }
+                    for call in parsed.calls
+                ]
+                finish_reason = "tool_calls"
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish_reason,
+                    "logprobs": None,
+                    "token_ids": list(token_ids),
+                }
+            ],
+            "prompt_token_ids": list(prompt_ids),
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(token_ids),
+                "total_tokens": len(prompt_ids) + len(token_ids),
+            },
+        }
+
+
+def stop_cut(tokenizer, token_ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str] | None:
+    """(tokens kept, text before the stop string) at the first of ``stops`` in the decoded turn; the
+    token that completes the stop string is kept (it was sampled), the text ends before it."""
+    if not stops:
+        return None
+    for end in range(1, len(token_ids) + 1):
+        text = tokenizer.decode(token_ids[:end], skip_special_tokens=False)
+        hits = [text.find(s) for s in stops if s and s in text]
+        if hits:
+            return end, text[: min(hits)]
+    return None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: str
+    temperature: float | None  # None: the run's rl.temperature
+    top_p: float
+    max_tokens: int | None
+    stop: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, body: Any) -> "ChatRequest":
+        """A request body checked field by field (a ``RequestError`` names the field at fault)."""
+        if not isinstance(body, Mapping):
+            raise RequestError("the request body must be a JSON object")
+        if body.get("stream"):
+            raise RequestError("stream: streaming is not supported by the agent endpoint; send stream = false")
+        if body.get("n") not in (None, 1):
+            raise RequestError("n: the agent endpoint samples one choice per call (n = 1)")
+        return cls(
+            model=str(body.get("model") or "policy"),
+            messages=normalized_messages(body.get("messages")),
+            tools=checked_tools(body.get("tools")),
+            tool_choice=checked_tool_choice(body.get("tool_choice")),
+            temperature=number(body, "temperature", None, 0.0, 2.0),
+            top_p=number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+            max_tokens=max_tokens(body),
+            stop=stops(body.get("stop")),
+        )
+
+
+def number(body: Mapping, key: str, default, low: float, high: float, open_low: bool = False):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{key}: must be a number, got {type(value).__name__}")
+    if not (low < value <= high if open_low else low <= value <= high):
+        raise RequestError(f"{key}: must be in {'(' if open_low else '['}{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def max_tokens(body: Mapping) -> int | None:
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(f"max_tokens: must be a positive integer, got {value!r}")
+    return value
+
+
+def stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise RequestError("stop: must be a string or a list of strings")
+    return tuple(values)
+
+
+def checked_tool_choice(value: Any) -> str:
+    if value is None or value in ("auto", "none"):
+        return value or "auto"
+    raise RequestError(
+        f"tool_choice: {value!r} is not supported (the endpoint does not constrain decoding); use 'auto' or 'none'"
+    )
+
+
+def checked_tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError("tools: must be a list of {'type': 'function', 'function': {...}} objects")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RequestError(f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+    return value or None
+
+
+def normalized_messages(value: Any) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: content parts joined into text, tool-call arguments
+    (JSON strings on the wire) as dicts."""
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages: must be a non-empty list of {'role', 'content'} objects")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}]: must be an object with a string 'role'")
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported")
+            message["content"] = "".join(str(p.get("text", "")) for p in content)
+        elif content is None:
+            message["content"] = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content: must be a string, a list of text parts or null")
+        calls = message.get("tool_calls")
+        if calls:
+            message["tool_calls"] = [normalized_call(i, j, call) for j, call in enumerate(calls)]
+        out.append(message)
+    return out
+
+
+def normalized_call(i: int, j: int, call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise RequestError(f"messages[{i}].tool_calls[{j}]: must have function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise RequestError(f"messages[{i}].tool_calls[{j}].function.arguments: not JSON") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+# ------------------------------------------------------------------------------ running agents
+
+
+@dataclass
+class AgentOutcome:
+    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+async def run_agent(agent, row: Mapping[str, Any], endpoint: AgentEndpoint, timeout_s: float) -> AgentOutcome:
+    """One agent run under ``timeout_s``; an agent that raises, hangs or returns no number is an
+    error outcome (reward 0), never an exception."""
+    from backends.rollout.rewards import CallOutcome, GuardedCaller, as_reward
+
+    called = await GuardedCaller(timeout_s, timeout_key="rl.agent_timeout_s").acall(agent, dict(row), endpoint)
+    if called.error:
+        return AgentOutcome(error=f"agent: {called.error}")
+    value = called.value
+    info: dict[str, Any] = {}
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
+        value, info = value[0], dict(value[1])
+    scored = as_reward(CallOutcome(value=value))
+    if scored.error:
+        return AgentOutcome(error=f"agent: {scored.error}")
+    return AgentOutcome(scored.reward, info)

@@ -1,0 +1,266 @@
+"""Agents on the real stack (vLLM engine + vllm-router + orchestrator + 2-rank DeepSpeed learner):
+a tool environment over two turns, and a black-box agent written with the ``openai`` package
+against the orchestrator's endpoint. Both check the learner's batch itself (``rl.keep_batches``).
+
+The policy is the ``lookup`` task's SFT model (demonstrations that always call the tool, a short
+run): it writes ``[lookup(key="..")]`` calls, so the tool paths run for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cli_runs import events, run_skyrl
+
+pytestmark = pytest.mark.integration
+
+RECIPE = """
+name = "tooltest"
+seed = 3
+
+[model]
+init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128 }
+tokenizer = "char"
+
+[data]
+task = "lookup"
+digits = 2
+train_size = 4000
+eval_size = 8
+
+[sft]
+steps = 150
+batch_size = 32
+learning_rate = 3e-3
+warmup_steps = 10
+eval_every = 0
+save_every = 0
+
+[rl]
+init_from = "sft"
+steps = 1
+prompts_per_step = 4
+samples_per_prompt = 4
+max_turns = 2
+max_new_tokens = 24
+eval_every = 0
+save_every = 0
+keep_batches = true
+
+[inference]
+engines = 1
+max_num_seqs = 32
+
+[trainer]
+ranks = 2
+zero_stage = 2
+"""
+
+AGENT = '''
+"""Lookup agents over the OpenAI API: index 0-1 of a group append to their conversation, index 2
+rewrites it (the second call sees a new prompt), index 3 raises (even keys) or hangs (odd keys)."""
+
+import asyncio
+import json
+from pathlib import Path
+
+LOG = Path(__file__).with_name("agent_calls.jsonl")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "The value stored under a key.",
+            "parameters": {
+                "type": "object",
+                "properties": {"key": {"type": "string", "description": "the key"}},
+                "required": ["key"],
+            },
+        },
+    }
+]
+
+
+def record(session, kind, reply):
+    entry = {
+        "session": session,
+        "kind": kind,
+        "prompt": reply.model_extra["prompt_token_ids"],
+        "tokens": reply.choices[0].model_extra["token_ids"],
+        "tool_calls": len(reply.choices[0].message.tool_calls or []),
+    }
+    with LOG.open("a") as fh:
+        fh.write(json.dumps(entry) + "\\n")
+
+
+async def solve(row, endpoint):
+    session = endpoint.base_url.rstrip("/").split("/")[-2]
+    index = int(session.rsplit("_", 1)[-1]) if not session.startswith("eval") else 0
+    key, value = row["prompt"][:-1], row["answer"]
+    if index == 3:
+        if ord(key[0]) % 2 == 0:
+            raise RuntimeError("the agent fell over")
+        await asyncio.sleep(3600)
+    kind = "rewrite" if index == 2 else "extend"
+    client = endpoint.client()
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=24)
+    record(session, kind, first)
+    message = first.choices[0].message
+    if kind == "rewrite":
+        messages = [{"role": "user", "content": value + row["prompt"]}]
+    else:
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or []:
+            found = json.loads(call.function.arguments).get("key") == key
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": value if found else "not found"})
+        if not message.tool_calls:
+            messages.append({"role": "user", "content": "?"})
+    second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=24)
+    record(session, kind, second)
+    return float((second.choices[0].message.content or "").strip() == value)
+'''
+
+
+def skyrl(cwd: Path, *args):
+    return run_skyrl(*args, cwd=cwd, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("agents")
+    (root / "recipe.toml").write_text(RECIPE)
+    (root / "lookup_agents.py").write_text(AGENT)
+    skyrl(root, "sft", "recipe.toml", "--quiet")
+    return root
+
+
+def load_tokenizer(run: Path):
+    from backends.models.tokenizer import load_tokenizer as load
+
+    return load(str(run / "engine-model"))
+
+
+def batch_samples(run: Path) -> list[dict]:
+    return json.loads((run / "batches/step-0.json").read_text())["samples"]
+
+
+def segments(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) runs of a loss mask."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((mask[start], start, i))
+            start = i
+    return runs
+
+
+def on_policy_gap_within_bound(run: Path) -> None:
+    bound = events(run, "health/sync_gap_bound")[0][1]
+    (step, diff), *_ = events(run, "train/logprob_diff")
+    assert step == 1 and diff < bound, (diff, bound)
+
+
+def test_tool_environment_batch_masks_tool_results_and_matches_the_template(workdir):
+    run = workdir / "runs/tooltest/rl-tools"
+    skyrl(workdir, "rl", "recipe.toml", "--run-dir", run, "--quiet")
+    from backends.data.chat import render
+    from backends.data.tasks import get_task
+
+    tokenizer = load_tokenizer(run)
+    tools = get_task("lookup", 2).tools
+    samples = batch_samples(run)
+    two_turn = [s for s in samples if s["num_turns"] == 2]
+    assert two_turn, "the SFT policy calls its tool: some episodes take two turns"
+    rendered = 0
+    for s in two_turn:
+        runs = segments(s["loss_mask"])
+        assert [value for value, _, _ in runs] == [1, 0, 1], runs
+        (_, _, a), (_, _, b), (_, _, c) = runs
+        call, result, answer = s["response_ids"][:a], s["response_ids"][a:b], s["response_ids"][b:c]
+        # the model's tokens carry the engine's sampling logprobs; the tool's answer carries none
+        assert all(lp <= 0 for lp in s["rollout_logprobs"][:a] + s["rollout_logprobs"][b:])
+        assert all(lp == 0 for lp in s["rollout_logprobs"][a:b])
+        observation = tokenizer.decode(result, skip_special_tokens=False)
+        assert observation.startswith("<|tool|>") and observation.endswith("<|assistant|>"), observation
+        content = observation[len("<|tool|>") : -len("<|assistant|>")]
+        # the value, a wrong key's answer, or the error a malformed call gets
+        assert content == "not found" or (len(content) == 3 and content.isdigit()) or content.startswith("error")
+        # the whole trajectory is the chat template's rendering of the conversation
+        raw = lambda ids: tokenizer.decode(ids, skip_special_tokens=False).removesuffix("<eos>")  # noqa: E731
+        user = tokenizer.decode(s["prompt_ids"], skip_special_tokens=False).split("<|user|>")[1]
+        conversation = [
+            {"role": "user", "content": user.removesuffix("<|assistant|>")},
+            {"role": "assistant", "content": raw(call)},
+            {"role": "tool", "content": content},
+            {"role": "assistant", "content": raw(answer)},
+        ]
+        if call[-1:] == answer[-1:] == [tokenizer.eos_token_id]:  # both turns ended, not cut at max_new_tokens
+            expected = render(tokenizer, conversation, tools=tools)
+            assert tokenizer.decode(s["prompt_ids"] + s["response_ids"], skip_special_tokens=False) == expected
+            rendered += 1
+    assert rendered, "some two-turn episodes end both turns themselves"
+    assert any(lp < 0 for s in two_turn for lp, m in zip(s["rollout_logprobs"], s["loss_mask"]) if m)
+    assert [v for _, v in events(run, "rollout/errors")] == [0.0]
+    assert events(run, "rollout/tool_calls_mean")[0][1] > 0
+    on_policy_gap_within_bound(run)
+
+
+def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
+    run = workdir / "runs/tooltest/rl-agent"
+    skyrl(
+        workdir,
+        "rl",
+        "recipe.toml",
+        "--run-dir",
+        run,
+        "--quiet",
+        "--set",
+        "rl.agent=lookup_agents:solve",
+        "--set",
+        "rl.agent_timeout_s=5",
+    )
+    calls: dict[str, list[dict]] = {}
+    for line in (workdir / "agent_calls.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        calls.setdefault(entry["session"], []).append(entry)
+    by_trajectory: dict[str, list[dict]] = {}
+    for s in batch_samples(run):
+        by_trajectory.setdefault(f"{s['prompt_uid']}_{s['index']}", []).append(s)
+    assert len(by_trajectory) == 16
+    for session, samples in by_trajectory.items():
+        index = int(session.rsplit("_", 1)[1])
+        if index == 3:  # raised or hung: one empty sample, reward 0, an error record
+            assert len(samples) == 1 and samples[0]["error"] and samples[0]["reward"] == 0
+            assert samples[0]["response_ids"] == []
+            continue
+        first, second = calls[session]
+        if index == 2:  # the history was rewritten: each call is its own sample, with the trajectory's reward
+            assert [(s["prompt_ids"], s["response_ids"]) for s in samples] == [
+                (first["prompt"], first["tokens"]),
+                (second["prompt"], second["tokens"]),
+            ]
+            assert all(s["loss_mask"] == [1] * len(s["response_ids"]) for s in samples)
+            assert samples[0]["reward"] == samples[1]["reward"]
+            continue
+        (sample,) = samples
+        context = first["prompt"] + first["tokens"]
+        assert second["prompt"][: len(context)] == context, "an appending agent's second prompt extends the first"
+        between = second["prompt"][len(context) :]
+        assert sample["prompt_ids"] == first["prompt"]
+        assert sample["response_ids"] == first["tokens"] + between + second["tokens"]
+        assert sample["loss_mask"] == [1] * len(first["tokens"]) + [0] * len(between) + [1] * len(second["tokens"])
+        n1 = len(first["tokens"])
+        assert all(lp == 0 for lp in sample["rollout_logprobs"][n1 : n1 + len(between)])
+        assert all(lp <= 0 for lp in sample["rollout_logprobs"][:n1] + sample["rollout_logprobs"][n1 + len(between) :])
+    assert any(entry["tool_calls"] for entries in calls.values() for entry in entries), "tool calls parsed"
+    errors = [json.loads(line)["error"] for line in (run / "sample_errors.jsonl").read_text().splitlines()]
+    assert any("agent: RuntimeError: the agent fell over" in e for e in errors) or any(
+        "agent: timeout" in e for e in errors
+    ), errors
+    assert events(run, "rollout/errors")[0][1] == 4.0
+    assert events(run, "rollout/samples_per_trajectory")[0][1] > 1.0
+    on_policy_gap_within_bound(run)
