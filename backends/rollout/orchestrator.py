@@ -85,11 +85,16 @@ def encode_observation(tokenizer, history, messages, tools=()) -> list[int]:
     text = continuation_text(tokenizer, history, messages, tools)
     if text is not None:
         return encode_text(tokenizer, text)
-    log.warning("the chat template rewrites the conversation before an observation; it is rendered alone")
+    if not encode_observation.warned:  # once per run: it holds for every observation of this template
+        log.warning("the chat template rewrites the conversation before an observation; it is rendered alone")
+        encode_observation.warned = True
     ids = encode_prompt(tokenizer, messages)
     if tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]:
         ids = ids[1:]
     return ids
+
+
+encode_observation.warned = False
 
 
 def load_agent(ref: str):
@@ -268,7 +273,7 @@ class Rollouts:
                         info=info,
                     )
                 )
-                self.window_tokens += len(samples[-1].response_ids)
+                self.window_tokens += samples[-1].num_loss_tokens  # sampled: observations are not generation
         return Group(ref.uid, samples, start_version)
 
     def record_error(self, sample: str, version: int, episode, count: bool = True) -> None:
@@ -308,7 +313,8 @@ class Rollouts:
             await buffer.finish_group(group)
 
     def window(self) -> dict[str, float]:
-        """Generation figures since the last call (rollout tokens/s), and the run's totals."""
+        """Generation figures since the last call (rollout tokens/s: tokens the model sampled, not the
+        observations between its turns), and the run's totals."""
         elapsed = time.perf_counter() - self.window_started
         figures = {
             "rollout/tokens_per_s": self.window_tokens / max(elapsed, 1e-9),

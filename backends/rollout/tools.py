@@ -121,7 +121,10 @@ class ToolCallParser:
     vLLM's parsers are imported on first use (the import takes torch with it: several seconds)."""
 
     def __init__(self, name: str, tokenizer):
-        from vllm.tool_parsers import ToolParserManager
+        try:
+            from vllm.tool_parsers import ToolParserManager
+        except ImportError:  # older vLLM versions keep them under the OpenAI server
+            from vllm.entrypoints.openai.tool_parsers import ToolParserManager
 
         try:
             cls = ToolParserManager.get_tool_parser(name)
@@ -135,9 +138,14 @@ class ToolCallParser:
     def request(self):
         """The request object vLLM's parsers take; they read nothing of it for whole turns but its tools."""
         if self._request is None:
-            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+            try:  # where vLLM 0.32 keeps it; other versions move it
+                from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-            self._request = ChatCompletionRequest(model="policy", messages=[])
+                self._request = ChatCompletionRequest(model="policy", messages=[])
+            except ImportError:
+                from types import SimpleNamespace
+
+                self._request = SimpleNamespace(tools=None, tool_choice="auto", skip_special_tokens=False)
         return self._request
 
     def parse(self, text: str) -> ParsedTurn:

@@ -210,6 +210,7 @@ def test_tool_environment_batch_masks_tool_results_and_matches_the_template(work
 
 
 def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
+    """Fully async (``--async``), as agents are meant to run."""
     run = workdir / "runs/tooltest/rl-agent"
     skyrl(
         workdir,
@@ -218,6 +219,7 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
         "--run-dir",
         run,
         "--quiet",
+        "--async",
         "--set",
         "rl.agent=lookup_agents:solve",
         "--set",
@@ -261,6 +263,6 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
     assert any("agent: RuntimeError: the agent fell over" in e for e in errors) or any(
         "agent: timeout" in e for e in errors
     ), errors
-    assert events(run, "rollout/errors")[0][1] == 4.0
+    assert events(run, "rollout/errors")[0][1] >= 4.0  # --async: groups of the next batch may have run already
     assert events(run, "rollout/samples_per_trajectory")[0][1] > 1.0
     on_policy_gap_within_bound(run)

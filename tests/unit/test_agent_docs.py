@@ -10,9 +10,6 @@ import string
 import types
 from pathlib import Path
 
-import pytest
-
-from backends.models.tokenizer import build_char_tokenizer
 from backends.rollout.agents import AgentServer, run_agent, samples_from_calls
 from backends.rollout.environments import ToolUse, TurnText, run_episode
 from backends.rollout.rewards import GuardedCaller
@@ -32,18 +29,6 @@ def load(code: str, name: str) -> types.ModuleType:
     module = types.ModuleType(name)
     exec(compile(code, f"README.md:{name}", "exec"), module.__dict__)
     return module
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer(ALPHABET)
-
-
-@pytest.fixture(scope="module")
-def parser(tok):
-    from backends.rollout.tools import ToolCallParser
-
-    return ToolCallParser("pythonic", tok)
 
 
 def test_the_readme_has_both_examples():

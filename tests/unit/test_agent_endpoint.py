@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from backends.data.chat import encode_text
-from backends.models.tokenizer import build_char_tokenizer
 from backends.rollout.agents import (
     AgentEndpoint,
     AgentOutcome,
@@ -29,19 +28,6 @@ from backends.rollout.agents import (
 from backends.rollout.client import Completion, WeightSpan
 
 ALPHABET = string.ascii_lowercase + string.digits + '?[]()=",; '
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer(ALPHABET)
-
-
-@pytest.fixture(scope="module")
-def parser(tok):
-    # vLLM's parsers import torch (~9 s): built once for the module.
-    from backends.rollout.tools import ToolCallParser
-
-    return ToolCallParser("pythonic", tok)
 
 
 # ------------------------------------------------------------------------------ samples

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from backends.data.tasks import get_task
-from backends.models.tokenizer import build_char_tokenizer
 from backends.rollout.environments import (
     Environment,
     LookupEnvironment,
@@ -20,17 +19,10 @@ from backends.rollout.environments import (
     run_episode,
 )
 from backends.rollout.rewards import GuardedCaller
-from backends.rollout.tools import ToolCallParser
 
 LOOKUP = get_task("lookup", 3)
 ROW = {"prompt": "kqz?", "answer": "417"}
 CALL = '[lookup(key="kqz")]'
-
-
-@pytest.fixture(scope="module")
-def parser():
-    # vLLM's parsers import torch (~9 s): built once for the module.
-    return ToolCallParser("pythonic", build_char_tokenizer(LOOKUP.alphabet))
 
 
 class Script:

@@ -25,12 +25,8 @@ from backends.rollout.tools import (
 )
 
 LOOKUP = get_task("lookup", 3)
+TOOL_ALPHABET = LOOKUP.alphabet + "_"  # the tok fixture's (tests/unit/conftest.py)
 ROW = {"prompt": "kqz?", "answer": "417"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer(LOOKUP.alphabet)
 
 
 @pytest.fixture(scope="module")
@@ -400,8 +396,8 @@ def test_rendering_without_tools_is_unchanged():
 
 def test_tool_marker_is_one_token_after_the_alphabet(tok):
     marker = tok.convert_tokens_to_ids(TOOL_MARKER)
-    alphabet_ids = tok.convert_tokens_to_ids(list(LOOKUP.alphabet))
-    assert marker == len(tok) - 1 == 7 + len(set(LOOKUP.alphabet))
+    alphabet_ids = tok.convert_tokens_to_ids(list(TOOL_ALPHABET))
+    assert marker == len(tok) - 1 == 7 + len(set(TOOL_ALPHABET))
     assert marker > max(alphabet_ids)
     assert tok.tokenize("<|tool|>417") == ["<|tool|>", "4", "1", "7"]
     assert tok.decode(tok("<|tool|>", add_special_tokens=False)["input_ids"]) == TOOL_MARKER

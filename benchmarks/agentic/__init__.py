@@ -1,0 +1,1 @@
+"""Environments for the agentic benchmarks (``benchmarks/bench_agentic_routing.py``)."""
