@@ -168,7 +168,7 @@ def test_the_live_view_shows_the_error_and_retry_counts():
 def test_an_episode_that_never_ends_stops_at_max_turns_without_an_error():
     import asyncio
 
-    from backends.rollout.environments import Environment, StepResult, run_episode
+    from backends.rollout.environments import Environment, StepResult, TurnText, run_episode
     from backends.rollout.rewards import GuardedCaller
 
     class NeverEnds(Environment):
@@ -180,9 +180,9 @@ def test_an_episode_that_never_ends_stops_at_max_turns_without_an_error():
 
     turns_asked = []
 
-    async def generate(messages, turn):
-        turns_asked.append(turn)
-        return "1"
+    async def generate(history, new_messages, tools):
+        turns_asked.append(sum(m["role"] == "assistant" for m in history))
+        return TurnText("1", "1")
 
     episode = asyncio.run(run_episode(NeverEnds, {"prompt": "1+1="}, generate, GuardedCaller(1.0), max_turns=3))
     assert (episode.turns, episode.done, episode.error, episode.reward, turns_asked) == (
