@@ -39,9 +39,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotations in these globals
+
+if TYPE_CHECKING:
+    from backends.rollout.session import RolloutSession
 
 log = logging.getLogger("skyrl.agents")
 
@@ -50,53 +53,29 @@ API_KEY = "skyrl"  # the endpoint is local to the orchestrator; the key only sat
 
 @dataclass(frozen=True)
 class RecordedCall:
+    """One call: its prompt, and the turn the engine sampled (the fields ``RolloutSession.add_turn`` reads)."""
+
     prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     weight_versions: tuple[str, ...]
     finish_reason: str | None
 
 
-@dataclass
-class SampleParts:
-    """One training sample's tokens, built from one or more recorded calls."""
+def samples_from_calls(calls: Sequence[RecordedCall]) -> list["RolloutSession"]:
+    """The recorded calls of one trajectory as training samples (see the module docs), each kept as a
+    ``RolloutSession``'s token records, as an environment episode's are."""
+    from backends.rollout.session import RolloutSession
 
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    rollout_logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[str] = field(default_factory=list)
-    num_turns: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def context_ids(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
-
-    def add(self, call: RecordedCall, between: Sequence[int] = ()) -> None:
-        self.response_ids += [*between, *call.completion_ids]
-        self.loss_mask += [0] * len(between) + [1] * len(call.completion_ids)
-        self.rollout_logprobs += [0.0] * len(between) + list(call.logprobs)
-        self.weight_versions += [v for v in call.weight_versions if v not in self.weight_versions]
-        self.num_turns += 1
-        self.finish_reason = call.finish_reason
-
-    @property
-    def policy_versions(self) -> tuple[int, ...]:
-        return tuple(int(v) for v in self.weight_versions if v.lstrip("-").isdigit())
-
-
-def samples_from_calls(calls: Sequence[RecordedCall]) -> list[SampleParts]:
-    """The recorded calls of one trajectory as training samples (see the module docs)."""
-    samples: list[SampleParts] = []
+    samples: list[RolloutSession] = []
     for call in calls:
         current = samples[-1] if samples else None
         context = current.context_ids if current else None
         if context is not None and list(call.prompt_ids[: len(context)]) == context:
-            current.add(call, call.prompt_ids[len(context) :])
+            current.add_observation(call.prompt_ids[len(context) :])
         else:
-            samples.append(SampleParts(list(call.prompt_ids)))
-            samples[-1].add(call)
+            samples.append(RolloutSession(None, call.prompt_ids, session_id=""))
+        samples[-1].add_turn(call)
     return samples
 
 

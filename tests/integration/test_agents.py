@@ -125,16 +125,12 @@ async def solve(row, endpoint):
 '''
 
 
-def skyrl(cwd: Path, *args):
-    return run_skyrl(*args, cwd=cwd, timeout=900)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("agents")
     (root / "recipe.toml").write_text(RECIPE)
     (root / "lookup_agents.py").write_text(AGENT)
-    skyrl(root, "sft", "recipe.toml", "--quiet")
+    run_skyrl("sft", "recipe.toml", "--quiet", cwd=root, timeout=900)
     return root
 
 
@@ -166,7 +162,7 @@ def on_policy_gap_within_bound(run: Path) -> None:
 
 def test_tool_environment_batch_masks_tool_results_and_matches_the_template(workdir):
     run = workdir / "runs/tooltest/rl-tools"
-    skyrl(workdir, "rl", "recipe.toml", "--run-dir", run, "--quiet")
+    run_skyrl("rl", "recipe.toml", "--run-dir", run, "--quiet", cwd=workdir, timeout=900)
     from backends.data.chat import render
     from backends.data.tasks import get_task
 
@@ -212,8 +208,7 @@ def test_tool_environment_batch_masks_tool_results_and_matches_the_template(work
 def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
     """Fully async (``--async``), as agents are meant to run."""
     run = workdir / "runs/tooltest/rl-agent"
-    skyrl(
-        workdir,
+    run_skyrl(
         "rl",
         "recipe.toml",
         "--run-dir",
@@ -224,6 +219,8 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
         "rl.agent=lookup_agents:solve",
         "--set",
         "rl.agent_timeout_s=5",
+        cwd=workdir,
+        timeout=900,
     )
     calls: dict[str, list[dict]] = {}
     for line in (workdir / "agent_calls.jsonl").read_text().splitlines():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import string
 import types
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from backends.rollout.rewards import GuardedCaller
 from tests.unit.test_agent_endpoint import ScriptedClient
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-ALPHABET = string.ascii_lowercase + string.digits + '?[]()=",; _'
 ROW = {"prompt": "apples?", "answer": 7, "stock": {"main": {"apple": 7}}}
 
 

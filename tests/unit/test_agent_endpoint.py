@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import string
 
 import httpx
 import pytest
@@ -26,9 +25,6 @@ from backends.rollout.agents import (
     stop_cut,
 )
 from backends.rollout.client import Completion, WeightSpan
-
-ALPHABET = string.ascii_lowercase + string.digits + '?[]()=",; '
-
 
 # ------------------------------------------------------------------------------ samples
 
@@ -444,7 +440,7 @@ def test_a_stop_string_cuts_the_turn(tok, parser):
             assert choice["message"]["content"] == "41" and choice["finish_reason"] == "stop"
             assert choice["token_ids"] == encode_text(tok, "41;")
             (recorded,) = trajectory.calls
-            assert recorded.completion_ids == tuple(encode_text(tok, "41;")) and recorded.logprobs == (-0.5,) * 3
+            assert recorded.token_ids == tuple(encode_text(tok, "41;")) and recorded.logprobs == (-0.5,) * 3
             assert recorded.weight_versions == ("0",)
 
     asyncio.run(main())
