@@ -29,13 +29,15 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def multi_turn(client, session_id: str, prompt, turns: int, max_tokens: int, temperature: float = 1.0):
+async def multi_turn(
+    client, session_id: str, prompt, turns: int, max_tokens: int, temperature: float = 1.0, **sampling
+):
     async with client.session(prompt, session_id) as session:
         completions = []
         for turn in range(turns):
             if turn:
                 session.add_observation(OBSERVATION)
-            completions.append(await session.generate(max_tokens=max_tokens, temperature=temperature))
+            completions.append(await session.generate(max_tokens=max_tokens, temperature=temperature, **sampling))
     return session, completions
 
 
@@ -188,13 +190,15 @@ def test_weight_sync_matches_transformers_greedy(engines_and_router, pattern_pol
 # --------------------------------------------------------------------------------------------- (c)
 
 
-def _running_requests(url: str) -> float:
+async def _running_requests(http: httpx.AsyncClient, url: str) -> float:
+    """Awaited, so polling never stalls the event loop that carries the batch's own requests."""
     from skyrl_cli.engines.metrics import parse_prometheus
 
     try:
-        return parse_prometheus(httpx.get(f"{url}/metrics", timeout=5).text).get("vllm:num_requests_running", 0.0)
+        text = (await http.get(f"{url}/metrics", timeout=5)).text
     except httpx.HTTPError:
         return 0.0
+    return parse_prometheus(text).get("vllm:num_requests_running", 0.0)
 
 
 def _router_retries(live) -> float:
@@ -214,16 +218,20 @@ def test_sigkill_engine_mid_batch_batch_completes_and_engine_returns(engines_and
     sessions, turns = 16, 4
 
     async def batch_with_kill():
-        async with live.client(max_retries=6) as client:
+        # ignore_eos: every turn runs its full length, so the batch cannot end (a policy that
+        # stops early did, once in CI) before the victim is seen busy.
+        async with live.client(max_retries=6) as client, httpx.AsyncClient() as http:
             work = asyncio.gather(
                 *(
-                    multi_turn(client, f"kill-{i}", PROMPTS[i % len(PROMPTS)], turns=turns, max_tokens=48)
+                    multi_turn(
+                        client, f"kill-{i}", PROMPTS[i % len(PROMPTS)], turns=turns, max_tokens=48, ignore_eos=True
+                    )
                     for i in range(sessions)
                 )
             )
             task = asyncio.ensure_future(work)
             deadline = time.monotonic() + 30
-            while _running_requests(victim_url) == 0 and time.monotonic() < deadline and not task.done():
+            while await _running_requests(http, victim_url) == 0 and time.monotonic() < deadline and not task.done():
                 await asyncio.sleep(0.05)
             assert not task.done(), "batch finished before the engine could be killed"
             os.killpg(victim.popen.pid, signal.SIGKILL)  # the API server and its EngineCore
