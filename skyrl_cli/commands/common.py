@@ -122,7 +122,8 @@ def output_sinks(mode: OutputMode, recipe: Recipe, run_dir: Path, title: str):
     from skyrl_cli.metrics.wandb_sink import wandb_sink_for
     from skyrl_contracts.rundir import recipe_json
 
-    sinks = {"live": [LiveView(title), SummaryPrinter()], "quiet": [SummaryPrinter()], "json": [JsonLinesSink()]}[mode]
+    printer = SummaryPrinter(run_dir=run_dir)
+    sinks = {"live": [LiveView(title), printer], "quiet": [printer], "json": [JsonLinesSink()]}[mode]
     wandb = wandb_sink_for(recipe.logging.wandb, f"{recipe.name}-{title}", run_dir, recipe_json(recipe))
     return SinkGroup(sinks + ([wandb] if wandb else []))
 
@@ -160,10 +161,11 @@ def run_job(
     RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
     sinks = output_sinks(mode, recipe, directory, title=stage)
     (spec,) = plan.processes
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     with reported(stage, directory, **(interrupt_hints or {})), Supervisor(directory) as supervisor:
         proc = supervisor.start(spec)
-        with FollowedRun(directory, sinks, summary_extra={"stage": stage, **summary_extra}) as run:
+        extra = {"stage": stage, "started_at": started_at, **summary_extra}
+        with FollowedRun(directory, sinks, summary_extra=extra) as run:
             code = supervisor.wait_job(spec.name, on_tick=run.poll)
             run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
             if code != 0:

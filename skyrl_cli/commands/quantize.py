@@ -75,6 +75,8 @@ def run_quantize(recipe, plan, directory: Path, mode, *, resume: bool, overwrite
 
 
 def final_line(summary: dict, directory: Path) -> str:
+    from skyrl_cli.metrics.summary import wall_time_text
+
     metrics = summary.get("metrics", {})
     parts = []
     if "eval/accuracy" in metrics:
@@ -84,6 +86,6 @@ def final_line(summary: dict, directory: Path) -> str:
             f"{metrics['quant/int4_layers']:.0f} INT4 layers, {metrics['quant/size_ratio']:.3f}x the full-precision weights"
         )
     if "wall_s" in summary:
-        parts.append(f"{summary['wall_s']:.0f} s")
+        parts.append(f"wall time {wall_time_text(summary)}")
     method = "INT4 QAT" if summary.get("method") == "qat" else "INT4 PTQ"
     return f"quantize done ({method}): {', '.join(parts)}; W4A16 model: {directory / 'int4'}"

@@ -124,7 +124,7 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
     order = plan.start_order()  # the one statement of what starts when
     (router,) = order.router
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     with (
         reported("rl", directory) as progress,
         Supervisor(directory) as supervisor,
@@ -144,7 +144,12 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
             early_jobs=order.beside_engines,
         )
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
-            extra = {"stage": "rl", "async": plan.async_mode, "final_model": str(run_dir.final)}
+            extra = {
+                "stage": "rl",
+                "async": plan.async_mode,
+                "final_model": str(run_dir.final),
+                "started_at": started_at,
+            }
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
                 run_jobs(supervisor, plan, order, stack, run, progress)
                 progress.phase = "publishing the final model"
@@ -230,6 +235,8 @@ def initial_and_final_accuracy(run_dir: RunDir) -> dict:
 
 
 def final_line(summary: dict, directory: Path) -> str:
+    from skyrl_cli.metrics.summary import wall_time_text
+
     parts = []
     if "eval_accuracy_final" in summary:
         parts.append(
@@ -240,5 +247,5 @@ def final_line(summary: dict, directory: Path) -> str:
         if figure:
             parts.append(f"{figure['mean']:,.0f} {label}")
     if "wall_s" in summary:
-        parts.append(f"{summary['wall_s']:.0f} s")
+        parts.append(f"wall time {wall_time_text(summary)}")
     return f"rl done: {', '.join(parts)}; model: {RunDir(directory).final}"

@@ -56,8 +56,11 @@ def ls(
         typer.echo(f"no runs under {root}/ (skyrl sft / skyrl rl write them there; --root names another folder)")
         return
     table = Table(title=f"runs under {root}/ (skyrl runs show RUN)")
-    for column in ("run", "recipe", "stage", "status", "steps", "wall s", *(label for label, _ in HEADLINE)):
-        left = column in ("run", "recipe", "stage", "status")
+    # The run's name is what a user copies into `skyrl runs show`: never wrapped (80 columns used
+    # to cut "quickstart/rl" into three lines); the other text columns fold instead.
+    table.add_column("run", no_wrap=True)
+    for column in ("recipe", "stage", "status", "steps", "wall s", *(label for label, _ in HEADLINE)):
+        left = column in ("recipe", "stage", "status")
         table.add_column(column, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
     for info in infos:
         run = str(info.path.relative_to(root)) if info.path != root else "."

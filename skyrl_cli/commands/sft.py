@@ -61,6 +61,8 @@ def run_sft(
 
 
 def final_line(summary: dict, directory) -> str:
+    from skyrl_cli.metrics.summary import wall_time_text
+
     metrics = summary.get("metrics", {})
     parts = []
     if "eval/accuracy" in metrics:
@@ -71,5 +73,5 @@ def final_line(summary: dict, directory) -> str:
     if tokens:
         parts.append(f"{tokens['mean']:,.0f} training tokens/s")
     if "wall_s" in summary:
-        parts.append(f"{summary['wall_s']:.0f} s")
+        parts.append(f"wall time {wall_time_text(summary)}")
     return f"sft done: {', '.join(parts)}; model: {directory / 'final'}"

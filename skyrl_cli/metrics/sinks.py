@@ -90,18 +90,20 @@ class JsonLinesSink(Sink):
 
 
 class SummaryPrinter(Sink):
-    """Prints the final figures as a table when the run ends (default and ``--quiet`` modes)."""
+    """Prints the headline figures when the run ends (default and ``--quiet`` modes); the rest is
+    in ``summary.json`` and ``skyrl runs show``."""
 
     name = "summary"
 
-    def __init__(self, console: Any = None):
+    def __init__(self, console: Any = None, run_dir: Any = None):
         self.console = console
+        self.run_dir = run_dir
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if summary is None:
             return
         from rich.console import Console
 
-        from skyrl_cli.metrics.summary import summary_table
+        from skyrl_cli.metrics.summary import headline_table
 
-        (self.console or Console()).print(summary_table(summary))
+        (self.console or Console()).print(headline_table(summary, self.run_dir))

@@ -95,6 +95,17 @@ def test_ls_lists_every_run_with_status_steps_and_final_figures(skyrl, runs_root
     assert rows["resumed/rl"][2:4] == ["running", "7"]
 
 
+def test_ls_keeps_run_names_whole_in_80_columns(skyrl, runs_root, monkeypatch):
+    make_run(runs_root / "a-much-longer-experiment-name" / "rl", ended={"completed": True})
+    monkeypatch.setenv("COLUMNS", "80")
+    result = skyrl("runs", "ls", "--root", runs_root)
+    assert result.code == 0, result.err
+    assert max(len(line) for line in result.out.splitlines()) <= 80
+    first_cells = [line.split("│")[1].strip() for line in result.out.splitlines() if line.count("│") > 2]
+    for run in ("quickstart/rl", "other/rl", "live/rl", "a-much-longer-experiment-name/rl"):
+        assert run in first_cells, (run, result.out)
+
+
 def test_ls_json_and_an_empty_folder(skyrl, runs_root, tmp_path):
     records = [json.loads(line) for line in skyrl("runs", "ls", "--root", runs_root, "--json").out.splitlines()]
     by_run = {Path(r["run"]).parent.name: r for r in records}

@@ -11,7 +11,7 @@ from rich.console import Console
 from skyrl_cli.metrics.follow import EventFollower, FollowedRun, follow_events
 from skyrl_cli.metrics.live import LiveView, MetricBoard
 from skyrl_cli.metrics.sinks import JsonLinesSink, Sink, SinkGroup, SummaryPrinter
-from skyrl_cli.metrics.summary import summarize, write_summary
+from skyrl_cli.metrics.summary import headline_rows, summarize, time_split, write_summary
 from skyrl_cli.metrics.wandb_sink import WandbSink, wandb_sink_for
 from skyrl_contracts.events import EventWriter, MetricEvent
 from skyrl_contracts.schema import WandbConfig
@@ -140,10 +140,67 @@ def test_summary_steps_count_an_evaluation_after_the_last_logged_train_step():
     assert summarize(events)["steps"] == 475
 
 
-def test_summary_printer_prints_a_table():
+def test_summary_printer_prints_the_headline_table(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)
     buffer = io.StringIO()
-    SummaryPrinter(Console(file=buffer, width=100)).close(summarize([event(3, "eval/accuracy", 0.9)]))
-    assert "eval/accuracy" in buffer.getvalue() and "0.9" in buffer.getvalue()
+    summary = {**summarize([event(3, "eval/accuracy", 0.9)]), "stage": "sft"}
+    SummaryPrinter(Console(file=buffer, width=100), run_dir=tmp_path).close(summary)
+    text = buffer.getvalue()
+    assert "sft summary" in text and "held-out accuracy" in text and "0.900" in text
+    assert f"skyrl runs show {tmp_path.name} (summary.json)" in text
+
+
+def _rl_summary() -> dict:
+    """A summary shaped like the quickstart's RL one: 60-odd metrics, 4 updates a step."""
+    events = [event(0, "progress/total_steps", 20, t=30.0), event(0, "progress/total_steps", 20, t=41.0)]
+    for step in range(1, 21):
+        t = 41.0 + 5 * step
+        events += [
+            event(step, f"train/update{u}/{m}", 0.1, t=t) for u in range(1, 5) for m in ("ratio_min", "approx_kl")
+        ]
+        events += [
+            event(step, name, 0.5, t=t) for name in ("train/loss", "train/grad_norm", "train/lr", "rollout/reward_mean")
+        ]
+        events += [
+            event(step, "rollout/tokens_per_s", 1000.0 + step, t=t),
+            event(step, "train/tokens_per_s", 50.0, t=t),
+        ]
+    summary = summarize(events)
+    summary.update(
+        stage="rl",
+        completed=True,
+        wall_s=150.0,
+        final_model="runs/q/rl/final",
+        eval_accuracy_initial=0.514,
+        eval_accuracy_final=1.0,
+        **time_split(events, started_at=0.0, wall_s=150.0),
+    )
+    return summary
+
+
+def test_the_end_of_run_table_is_short_and_says_what_each_time_counts(tmp_path):
+    summary = _rl_summary()
+    assert len(summary["metrics"]) > 12
+    rows = dict(headline_rows(summary, tmp_path))
+    assert len(rows) <= 15
+    assert rows["outcome"] == "finished, 20 steps"
+    assert rows["held-out accuracy"] == "0.514 -> 1.000"
+    assert rows["rollout tokens/s"] == "1,010"  # the mean of 1001..1020
+    # Start-up ends when the later of the two training processes is ready (t = 41 s of 150 s).
+    assert rows["wall time"] == "150 s (start-up 41 s, training 109 s)"
+    assert rows["model"] == "runs/q/rl/final"
+    assert not any(label.startswith("train/update") for label in rows)
+
+
+def test_time_split_needs_a_ready_event_after_the_start():
+    events = [event(0, "progress/total_steps", 10, t=5.0)]
+    assert time_split(events, started_at=2.0, wall_s=20.0) == {"startup_s": 3.0, "training_s": 17.0}
+    assert time_split(events, started_at=6.0, wall_s=20.0) == {}  # an earlier attempt's (resume)
+
+
+def test_a_stopped_run_says_so():
+    summary = {**_rl_summary(), "completed": False}
+    assert dict(headline_rows(summary))["outcome"] == "stopped at step 20"
 
 
 def test_follower_reads_only_new_complete_lines(tmp_path):
