@@ -37,7 +37,7 @@ def test_shortened_quickstart_rl_raises_held_out_accuracy(tmp_path):
     sft_accuracy = events(sft_dir, "eval/accuracy")[-1][1]
     assert 0.2 < sft_accuracy < 0.75, f"SFT should have learned the sums and copied the flaw: {sft_accuracy}"
 
-    run_skyrl(
+    proc = run_skyrl(
         "rl",
         recipe,
         "--run-dir",
@@ -53,5 +53,11 @@ def test_shortened_quickstart_rl_raises_held_out_accuracy(tmp_path):
     assert summary["completed"] is True
     assert summary["eval_accuracy_initial"] == pytest.approx(sft_accuracy, abs=0.05)  # engines serve the SFT model
     assert summary["eval_accuracy_final"] >= summary["eval_accuracy_initial"] + 0.10, summary
+    # The end of the run, as printed: a short table and one wall time split into what it counts.
+    rows = [line for line in proc.stdout.splitlines() if line.count("│") >= 3]
+    assert 5 <= len(rows) <= 15, proc.stdout
+    assert "train/update" not in proc.stdout and "held-out accuracy" in proc.stdout
+    assert 0 < summary["startup_s"] < summary["wall_s"] and summary["training_s"] > 0
+    assert f"{summary['wall_s']:.0f} s (start-up {summary['startup_s']:.0f} s" in proc.stdout
     clip = [v for _, v in events(rl_dir, "train/update4/clip_frac")]
     assert len(clip) == 10 and max(clip) > 0.0  # four updates a step, and the clip acted
