@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (if needed), then the CPU quickstart: SFT of a tiny Llama on 3-digit addition, then RL.
+# Set up (if needed), then the CPU quickstart: SFT of a tiny Llama on 2-digit addition, then RL.
 # Results: runs/quickstart/sft and runs/quickstart/rl (summary.json in each).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

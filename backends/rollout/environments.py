@@ -17,7 +17,7 @@ answer, counted per episode; with ``rl.tool_errors = "end"`` it ends the episode
 orchestrator's event loop (``asyncio.wait_for`` under the timeout), synchronous ones in threads;
 at most ``rl.env_concurrency`` environment calls run at once.
 
-Each trajectory gets its own instance (``EnvironmentFactory(row)``), so state lives on ``self``.
+Each trajectory gets its own instance (``EnvironmentFactory()``, then ``reset(row)``), so state lives on ``self``.
 Every call into an environment (user code) goes through ``GuardedCaller``: an exception or a
 timeout ends the episode with reward 0 and an error record instead of crashing the run.
 

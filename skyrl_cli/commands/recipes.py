@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -87,7 +88,8 @@ def copy_recipe(name: str, dest: Path, force: bool) -> str:
     from skyrl_contracts.errors import UsageError
 
     source = builtin_path(name)
-    target = dest / source.name if dest.is_dir() else dest
+    # "sub/" names a folder even before it exists (it was written as a file called "sub").
+    target = dest / source.name if dest.is_dir() or str(dest).endswith(("/", os.sep)) else dest
     folder = source.with_suffix("")
     folder_target = target.parent / folder.name if folder.is_dir() else None
     for existing in (target, folder_target):

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         no_engines: NoEnginesOpt = False,
         json_: common.JsonOpt = False,
     ) -> None:
-        """Serve the Tinker API from the recipe's [tinker] section until stopped (Ctrl-C).
+        """Serve the Tinker API from the recipe's \\[tinker] section until stopped (Ctrl-C).
 
         Point the SDK at it: tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...").
         Writes runs/<name>/tinker/ (or --run-dir): server.json, logs/, storage/ (unless tinker.storage_dir).

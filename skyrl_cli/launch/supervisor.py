@@ -160,6 +160,25 @@ class ManagedProcess:
         return self.popen.poll()
 
 
+def child_env(base: dict[str, str], overrides: dict[str, str]) -> dict[str, str]:
+    """The environment a process starts with: ``base`` (this process's) with the spec's ``overrides``.
+
+    A plan numbers GPUs as torch does, 0..N-1 among the visible ones (``cuda:1`` is the second
+    visible GPU). When skyrl itself runs under ``CUDA_VISIBLE_DEVICES=2,3,4``, the spec's
+    ``CUDA_VISIBLE_DEVICES=0,1`` means that list's entries ``2,3``: passed on as written it would
+    name physical GPUs 0 and 1, which another job may own."""
+    env = {**base, **overrides}
+    inherited = base.get("CUDA_VISIBLE_DEVICES")
+    wanted = overrides.get("CUDA_VISIBLE_DEVICES")
+    if inherited is not None and wanted:
+        names = [d.strip() for d in inherited.split(",") if d.strip()]
+        try:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(names[int(i)] for i in wanted.split(","))
+        except (ValueError, IndexError):
+            pass  # not positions among the inherited list: left as the plan wrote it
+    return env
+
+
 class Supervisor:
     """Context manager owning the processes of one run. See the module docstring."""
 
@@ -206,7 +225,7 @@ class Supervisor:
             log_path = self.paths.log(spec.name)
             log = open(log_path, "ab", buffering=0)
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode())
-            env = {**self.base_env, **spec.env}
+            env = child_env(self.base_env, spec.env)
             if env.get("TORCH_EXTENSIONS_DIR"):
                 self._extension_dirs.add(env["TORCH_EXTENSIONS_DIR"])
                 clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])

@@ -127,11 +127,12 @@ def headline_rows(summary: Mapping[str, Any], run_dir: str | os.PathLike | None 
     rows += [(label, f"{metrics[name]:.4g}") for label, name in HEADLINE_METRICS if name in metrics]
     throughput = summary.get("throughput", {})
     rows += [(label, f"{throughput[name]['mean']:,.0f}") for label, name in HEADLINE_THROUGHPUT if name in throughput]
-    rows.append(("wall time", wall_time_text(summary)))
+    if "wall_s" in summary:  # a run that failed before its end has no wall time of its own
+        rows.append(("wall time", wall_time_text(summary)))
     if "health" in summary:
         rows.append(("health", str(summary["health"].get("message", "a check fired"))))
     for label, key in (("model", "final_model"), ("INT4 model", "int4_model"), ("INT4 export", "output")):
-        if key in summary:
+        if key in summary and os.path.exists(summary[key]):  # the path a run would write, if it got there
             rows.append((label, shown_path(summary[key])))
     if run_dir is not None:
         rows.append(("all figures", f"skyrl runs show {shown_path(run_dir)} (summary.json)"))

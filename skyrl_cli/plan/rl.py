@@ -127,6 +127,13 @@ def plan_rl(
 ) -> LaunchPlan:
     if recipe.rl is None:
         raise UsageError("the recipe has no [rl] section")
+    if recipe.trainer.nnodes > 1:
+        # Every node would start its own engines, router and orchestrator: refused until the plan
+        # says what each node of an RL run runs (SFT across nodes works: same command on each node).
+        raise UsageError(
+            f"trainer.nnodes = {recipe.trainer.nnodes}: RL across nodes is not supported yet (skyrl sft is); "
+            "run skyrl rl on one node (trainer.nnodes = 1); engines on other machines can join through inference.urls"
+        )
     inf = recipe.inference
     init_from = init_model_dir(recipe)
     device = trainer_device(recipe, machine)

@@ -143,12 +143,25 @@ def _check_other(words: list[str], where: str) -> None:
         assert (REPO / target).exists(), f"{where}: {target} does not exist"
 
 
+def _without_redirections(words: list[str]) -> list[str]:
+    """``skyrl recipes schema > out.json`` -> ``skyrl recipes schema`` (``>f``, ``> f``, ``2>&1``)."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in (">", ">>", "2>", "&>", "<"):
+            skip = True
+        elif not word.startswith((">", "2>", "&>", "<")):
+            out.append(word)
+    return out
+
+
 def _commands(line: str) -> list[list[str]]:
     """``a && b | c > f`` -> the commands ``a`` and ``b`` (after a pipe: filters; redirections dropped)."""
     out = []
     for part in line.replace("&&", ";").split(";"):
         part = part.split("|")[0]
-        words = [w for w in shlex.split(part, comments=True) if not w.startswith((">", "2>"))]
+        words = _without_redirections(shlex.split(part, comments=True))
         while words and "=" in words[0] and not words[0].startswith(("-", "/")):
             words = words[1:]  # FOO=bar before the command
         if words:

@@ -86,3 +86,13 @@ def test_validate_gpus_replaces_only_the_gpus():
     here = detect_machine()
     other = detect_machine(gpu_count=8)
     assert other.gpus == tuple(range(8)) and other.cpu_cores == here.cpu_cores
+
+
+def test_rl_across_nodes_is_refused_in_one_line_and_sft_across_nodes_plans(tmp_path):
+    multi = {"nnodes": 2, "node_rank": 0, "rdzv_endpoint": "10.0.0.1:29400"}
+    with pytest.raises(UsageError) as info:
+        build_plan(recipe(trainer=multi), "rl", tmp_path, machine=CPU2)
+    assert str(info.value).startswith("trainer.nnodes = 2: RL across nodes is not supported yet")
+    assert len(str(info.value).splitlines()) == 1
+    sft = recipe(trainer=multi, sft={}, rl=None)
+    assert build_plan(sft, "sft", tmp_path, machine=CPU2).processes

@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
 from skyrl_cli.metrics.follow import EventFollower, FollowedRun, follow_events
 from skyrl_cli.metrics.live import LiveView, MetricBoard
 from skyrl_cli.metrics.sinks import JsonLinesSink, Sink, SinkGroup, SummaryPrinter
-from skyrl_cli.metrics.summary import headline_rows, summarize, time_split, write_summary
+from skyrl_cli.metrics.summary import headline_rows, shown_path, summarize, time_split, write_summary
 from skyrl_cli.metrics.wandb_sink import WandbSink, wandb_sink_for
 from skyrl_contracts.events import EventWriter, MetricEvent
 from skyrl_contracts.schema import WandbConfig
@@ -150,7 +151,7 @@ def test_summary_printer_prints_the_headline_table(tmp_path, monkeypatch):
     assert f"skyrl runs show {tmp_path.name} (summary.json)" in text
 
 
-def _rl_summary() -> dict:
+def _rl_summary(final_model: Path) -> dict:
     """A summary shaped like the quickstart's RL one: 60-odd metrics, 4 updates a step."""
     events = [event(0, "progress/total_steps", 20, t=30.0), event(0, "progress/total_steps", 20, t=41.0)]
     for step in range(1, 21):
@@ -170,7 +171,7 @@ def _rl_summary() -> dict:
         stage="rl",
         completed=True,
         wall_s=150.0,
-        final_model="runs/q/rl/final",
+        final_model=str(final_model),
         eval_accuracy_initial=0.514,
         eval_accuracy_final=1.0,
         **time_split(events, started_at=0.0, wall_s=150.0),
@@ -179,7 +180,8 @@ def _rl_summary() -> dict:
 
 
 def test_the_end_of_run_table_is_short_and_says_what_each_time_counts(tmp_path):
-    summary = _rl_summary()
+    (tmp_path / "final").mkdir()
+    summary = _rl_summary(tmp_path / "final")
     assert len(summary["metrics"]) > 12
     rows = dict(headline_rows(summary, tmp_path))
     assert len(rows) <= 15
@@ -188,7 +190,7 @@ def test_the_end_of_run_table_is_short_and_says_what_each_time_counts(tmp_path):
     assert rows["rollout tokens/s"] == "1,010"  # the mean of 1001..1020
     # Start-up ends when the later of the two training processes is ready (t = 41 s of 150 s).
     assert rows["wall time"] == "150 s (start-up 41 s, training 109 s)"
-    assert rows["model"] == "runs/q/rl/final"
+    assert rows["model"] == shown_path(tmp_path / "final")
     assert not any(label.startswith("train/update") for label in rows)
 
 
@@ -198,9 +200,12 @@ def test_time_split_needs_a_ready_event_after_the_start():
     assert time_split(events, started_at=6.0, wall_s=20.0) == {}  # an earlier attempt's (resume)
 
 
-def test_a_stopped_run_says_so():
-    summary = {**_rl_summary(), "completed": False}
-    assert dict(headline_rows(summary))["outcome"] == "stopped at step 20"
+def test_a_run_that_failed_early_shows_no_model_and_no_wall_time(tmp_path):
+    summary = {**_rl_summary(tmp_path / "final"), "completed": False}  # final/ never written
+    del summary["wall_s"]
+    rows = dict(headline_rows(summary))
+    assert rows["outcome"] == "stopped at step 20"
+    assert "model" not in rows and "wall time" not in rows
 
 
 def test_follower_reads_only_new_complete_lines(tmp_path):

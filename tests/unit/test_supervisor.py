@@ -154,3 +154,31 @@ def _cmdline_has(pid: int, needle: str) -> bool:
         return needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
+
+
+def test_gpu_positions_map_through_the_inherited_visible_devices():
+    from skyrl_cli.launch.supervisor import child_env
+
+    under = {"CUDA_VISIBLE_DEVICES": "2,3,4", "PATH": "/bin"}
+    assert child_env(under, {"CUDA_VISIBLE_DEVICES": "0,1"})["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert child_env(under, {"CUDA_VISIBLE_DEVICES": "2"})["CUDA_VISIBLE_DEVICES"] == "4"
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}
+    assert child_env(uuids, {"CUDA_VISIBLE_DEVICES": "1"})["CUDA_VISIBLE_DEVICES"] == "GPU-bb"
+    assert child_env({}, {"CUDA_VISIBLE_DEVICES": "0,1"})["CUDA_VISIBLE_DEVICES"] == "0,1"  # all GPUs visible
+    assert child_env(under, {})["CUDA_VISIBLE_DEVICES"] == "2,3,4"  # a CPU process inherits
+
+
+def test_a_started_process_sees_the_mapped_devices(tmp_path):
+    out = tmp_path / "seen"
+    script = f"import os, pathlib; pathlib.Path({str(out)!r}).write_text(os.environ['CUDA_VISIBLE_DEVICES'])"
+    spec = ProcessSpec(
+        name="gpu-job",
+        role="trainer",
+        argv=(sys.executable, "-c", script),
+        env={"CUDA_VISIBLE_DEVICES": "1"},
+        kind="job",
+    )
+    with Supervisor(tmp_path, base_env={**os.environ, "CUDA_VISIBLE_DEVICES": "5,7"}) as sup:
+        sup.start(spec)
+        assert sup.wait_job("gpu-job") == 0
+    assert out.read_text() == "7"
