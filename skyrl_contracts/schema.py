@@ -81,7 +81,11 @@ class LoraConfig(Section):
 class ModelConfig(Section):
     """The policy model: a local HF checkpoint (``path``) or a tiny model built from ``init``."""
 
-    path: str | None = Field(None, description="Local HF-format model directory.")
+    path: str | None = Field(
+        None,
+        description="Local HF-format model directory (relative to the recipe), or run:<run>/<stage> for a run's "
+        "final model under runs/ where skyrl runs (run:quickstart/sft).",
+    )
     init: TinyModelInit | None = Field(None, description="Create a tiny random-init model instead of loading one.")
     tokenizer: str = Field(
         "auto",

@@ -72,7 +72,7 @@ def _stages(text: str) -> tuple[str, ...]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError:
         return ()
-    return tuple(stage for stage in ("sft", "rl") if stage in data)
+    return tuple(stage for stage in ("sft", "rl", "tinker") if stage in data)
 
 
 def builtin_recipes() -> list[BuiltinRecipe]:

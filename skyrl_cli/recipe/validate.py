@@ -70,9 +70,20 @@ def _get(data: Any, path: tuple[str, ...]) -> Any:
     return data
 
 
+RUN_OUTPUT_PREFIX = "run:"
+
+
 def resolve_path(value: str, base_dir: Path) -> Path:
     """``value`` against ``base_dir``; a value no file can have (a NUL byte, ``~user`` of no such
-    user) comes back unresolved, and ``missing_files`` reports it."""
+    user) comes back unresolved, and ``missing_files`` reports it.
+
+    ``run:<run>/<stage>`` is that run's final model where skyrl writes it, ``runs/<run>/<stage>/final``
+    under the directory skyrl runs in, wherever the recipe file is (a built-in recipe installed from
+    a wheel, or copied elsewhere, still finds the quickstart's SFT output)."""
+    if value.startswith(RUN_OUTPUT_PREFIX):
+        from skyrl_contracts.rundir import RUNS_ROOT
+
+        return (RUNS_ROOT / value[len(RUN_OUTPUT_PREFIX) :].strip("/") / "final").resolve()
     try:
         path = Path(value).expanduser()
     except RuntimeError:
@@ -83,12 +94,41 @@ def resolve_path(value: str, base_dir: Path) -> Path:
         return base_dir / path
 
 
-def _path_problem(value: str, base_dir: Path) -> str | None:
+# The stages whose command writes a run's model to runs/<run>/<stage>/final (skyrl_contracts.rundir).
+STAGES_WITH_A_FINAL_MODEL = ("sft", "rl")
+
+
+def run_output_hint(path: Path) -> str:
+    """How to make a missing run output: ``path`` is ``<dir>/runs/<run>/<stage>/final``, which
+    ``skyrl <stage>`` on the recipe named ``<run>``, run in ``<dir>``, writes. Else ``""``."""
+    from skyrl_cli.recipe.registry import builtin_recipes
+    from skyrl_contracts.rundir import RUNS_ROOT
+
+    parts = path.parts
+    if len(parts) < 5 or parts[-1] != "final" or parts[-2] not in STAGES_WITH_A_FINAL_MODEL:
+        return ""
+    if parts[-4] != RUNS_ROOT.name:
+        return ""
+    run, stage, home = parts[-3], parts[-2], Path(*parts[:-4])
+    builtin = run in {r.name for r in builtin_recipes()}
+    command = f"`skyrl {stage} {run}`" if builtin else f"`skyrl {stage}` on the recipe named {run!r}"
+    written = f"{RUNS_ROOT.name}/{run}/{stage}/final"
     try:
-        found = resolve_path(value, base_dir).exists()
+        here = home == Path.cwd().resolve()
+    except OSError:  # the working directory is gone
+        here = False
+    if here:
+        return f"; run {command} first (it writes {written})"
+    return f"; run {command} in {home} first (it writes {written} there)"
+
+
+def _path_problem(value: str, base_dir: Path) -> str | None:
+    path = resolve_path(value, base_dir)
+    try:
+        found = path.exists()
     except (OSError, ValueError) as err:  # a name too long, a NUL byte
         return f"not a usable path: {value!r} ({getattr(err, 'strerror', None) or err})"
-    return None if found else f"file not found: {value}"
+    return None if found else f"file not found: {value}{run_output_hint(path)}"
 
 
 def missing_files(data: dict[str, Any], base_dir: Path) -> list[Problem]:
@@ -97,9 +137,22 @@ def missing_files(data: dict[str, Any], base_dir: Path) -> list[Problem]:
     for path, keywords in PATH_KEYS.items():
         value = _get(data, path)
         problem = _path_problem(value, base_dir) if isinstance(value, str) and value not in keywords else None
+        if problem is None and path in DATA_KEYS and isinstance(value, str):
+            problem = _data_file_problem(resolve_path(value, base_dir))
         if problem:
             problems.append(Problem(path, problem))
     return problems
+
+
+DATA_KEYS = (("data", "train"), ("data", "eval"))
+
+
+def _data_file_problem(path: Path) -> str | None:
+    """A data file of a format the data layer does not read (a .csv passed validation and failed
+    when the stage started, after an SFT stage may have run)."""
+    if path.is_dir() or path.suffix.lower() in DATA_FILE_SUFFIXES:
+        return None
+    return f"unsupported data file {path.name!r} (use .jsonl, .parquet or an HF dataset directory)"
 
 
 def with_absolute_paths(recipe: Recipe, base_dir: Path) -> Recipe:
@@ -201,7 +254,10 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
 # Built-in tasks whose demonstrations can be flawed (backends.data.tasks: Task.flawed_answer);
 # light on purpose: the CLI does not import the data layer.
 TASKS_WITH_A_FLAW = frozenset({"addition", "lookup"})
-TASKS_WITH_TOOLS = frozenset({"lookup"})  # their SFT evaluation has no accuracy: it needs the tool loop
+TASKS_WITH_TOOLS = frozenset({"lookup"})
+DATA_FILE_SUFFIXES = frozenset(
+    {".jsonl", ".json", ".parquet"}
+)  # backends.data.files.load_rows reads these  # their SFT evaluation has no accuracy: it needs the tool loop
 
 
 def data_problems(recipe: Recipe) -> list[Problem]:
@@ -228,6 +284,12 @@ def data_problems(recipe: Recipe) -> list[Problem]:
             Problem(
                 ("rl", "max_turns"),
                 f'task = "{data.task}" takes two model turns (the tool call, then the answer); set rl.max_turns = 2',
+            )
+        )
+    if rl is not None and rl.environment and rl.reward:
+        problems.append(
+            Problem(
+                ("rl", "reward"), "set rl.environment or rl.reward, not both (an environment computes its own reward)"
             )
         )
     if data.task in TASKS_WITH_TOOLS and recipe.sft is not None and recipe.sft.stop_at_accuracy is not None:

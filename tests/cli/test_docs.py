@@ -20,11 +20,24 @@ def test_readme_opens_with_the_two_commands():
     assert (REPO / ".ci" / "run").stat().st_mode & 0o111
 
 
-def test_readme_shows_every_recipes_subcommand_and_builtin_recipe():
+def test_the_recipes_page_shows_every_recipes_subcommand_and_builtin_recipe():
+    page = (REPO / "docs" / "recipes.md").read_text()
     for sub in ("ls", "show", "cp", "validate", "schema"):
-        assert f"skyrl recipes {sub}" in README
+        assert f"skyrl recipes {sub}" in page
     for recipe in builtin_recipes():
-        assert f"| `{recipe.name}` |" in README
+        assert f"| `{recipe.name}` |" in page
+        assert f"`{recipe.name}`" in README  # the front page names each one
+
+
+def test_the_readme_is_a_front_page_that_links_into_the_docs():
+    assert len(README.splitlines()) <= 150
+    links = re.findall(r"\]\((docs/[\w./-]+?)(?:#[\w-]+)?\)", README)
+    assert len(set(links)) >= 12
+    for link in links:
+        assert (REPO / link).is_file(), link
+    nav = (REPO / "mkdocs.yml").read_text()
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert page.name in nav, f"{page.name} is not in mkdocs.yml's nav"
 
 
 def test_changelog_has_an_unreleased_section():

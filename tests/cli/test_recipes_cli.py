@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,40 @@ def fetched_assets(tmp_path, monkeypatch):
         (data / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     return root
+
+
+@pytest.fixture
+def quickstart_sft_output(fetched_assets, tmp_path, monkeypatch):
+    """The built-in recipes in a folder of their own, run from a directory whose runs/ holds what
+    ``skyrl sft quickstart`` writes there for the tinker recipe (run:quickstart/sft; only its
+    config.json, as a real SFT run of the quickstart writes it: validation and plans read no more)."""
+    from skyrl_cli.recipe import registry
+
+    recipes = tmp_path / "checkout" / "recipes"
+    shutil.copytree(registry.recipes_dir(), recipes, ignore=shutil.ignore_patterns("__pycache__"))
+    final = tmp_path / "checkout" / "runs" / "quickstart" / "sft" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text(json.dumps(QUICKSTART_CONFIG))
+    monkeypatch.setattr(registry, "recipes_dir", lambda: recipes)
+    monkeypatch.chdir(tmp_path / "checkout")
+    return final
+
+
+# The config.json of the quickstart's model (recipes/quickstart.toml, model.init).
+QUICKSTART_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 512,
+    "vocab_size": 20,
+    "tie_word_embeddings": False,
+}
+# The command that runs each stage of a built-in recipe.
+STAGE_COMMAND = {"sft": ("sft",), "rl": ("rl",), "tinker": ("tinker", "serve")}
 
 
 def expectations(path: Path) -> tuple[list[str], list[str]]:
@@ -120,7 +155,7 @@ def test_broken_recipe_through_the_console_script(name):
 
 
 @pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)
-def test_every_builtin_recipe_validates(skyrl, recipe, fetched_assets):
+def test_every_builtin_recipe_validates(skyrl, recipe, quickstart_sft_output):
     for gpus in ("0", "8"):
         result = skyrl("recipes", "validate", recipe.name, "--gpus", gpus)
         assert result.code == 0, result.err
@@ -129,13 +164,13 @@ def test_every_builtin_recipe_validates(skyrl, recipe, fetched_assets):
 
 @pytest.mark.parametrize("recipe", builtin_recipes(), ids=lambda r: r.name)
 def test_every_builtin_recipe_plans_on_an_8_gpu_node_with_trainer_and_engines_apart(
-    skyrl, recipe, fetched_assets, monkeypatch, tmp_path
+    skyrl, recipe, quickstart_sft_output, monkeypatch, tmp_path
 ):
     """The dry-run plan of each stage on 8 GPUs: every process on its own GPUs (NCCL refuses two
     ranks of one group on one device), and full-weight RL syncing over NCCL."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(8))))
     for stage in recipe.stages:
-        result = skyrl(stage, recipe.name, "--dry-run", "--json", "--run-dir", str(tmp_path / stage))
+        result = skyrl(*STAGE_COMMAND[stage], recipe.name, "--dry-run", "--json", "--run-dir", str(tmp_path / stage))
         assert result.code == 0, result.err
         plan = json.loads(result.out)
         assert plan["device"] == "cuda"
@@ -153,7 +188,29 @@ def test_every_builtin_recipe_plans_on_an_8_gpu_node_with_trainer_and_engines_ap
 def test_every_builtin_recipe_has_a_header(recipe):
     assert recipe.purpose and recipe.hardware != "?" and recipe.time != "?" and recipe.expected != "?"
     assert recipe.stages
-    assert f"skyrl {recipe.stages[0]} recipes/{recipe.name}.toml" in recipe.path.read_text()
+    assert f"skyrl {' '.join(STAGE_COMMAND[recipe.stages[0]])} recipes/{recipe.name}.toml" in recipe.path.read_text()
+
+
+def test_the_tinker_recipe_says_to_run_the_quickstart_first(skyrl, tmp_path, monkeypatch):
+    """Without the quickstart's SFT output the tinker recipe names the command that makes it."""
+    from skyrl_cli.recipe import registry
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    for name in ("tinker.toml", "quickstart.toml"):
+        shutil.copy(REPO / "recipes" / name, recipes)
+    monkeypatch.setattr(registry, "recipes_dir", lambda: recipes)
+    monkeypatch.chdir(tmp_path)
+    line = next(
+        i for i, text in enumerate((recipes / "tinker.toml").read_text().splitlines(), 1) if text.startswith("path =")
+    )
+    for args in (("recipes", "validate", "tinker"), ("tinker", "serve", "tinker", "--dry-run")):
+        result = skyrl(*args)
+        assert result.code == 2
+        assert result.err == (
+            f"error: {recipes / 'tinker.toml'}:{line}: model.path: file not found: run:quickstart/sft; "
+            "run `skyrl sft quickstart` first (it writes runs/quickstart/sft/final)\n"
+        )
 
 
 def test_validate_reports_every_file(skyrl, monkeypatch):

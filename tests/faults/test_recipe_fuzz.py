@@ -62,7 +62,8 @@ def _merged(base: dict, extra: dict) -> dict:
 
 
 # Local stand-ins for the files a built-in recipe names outside the checkout (a downloaded model,
-# a data set): so that its breaks reach the checks after the file checks.
+# a data set, another run's output under runs/): so that its breaks reach the checks after the
+# file checks.
 LOCAL_FILES = {
     ("model", "path"): "model",
     ("rl", "init_from"): "model",
@@ -77,7 +78,8 @@ def _localized(data: dict) -> dict:
         table = data
         for key in path[:-1]:
             table = table.get(key) if isinstance(table, dict) else None
-        if isinstance(table, dict) and str(table.get(path[-1], "")).startswith("~"):
+        value = str(table.get(path[-1], "")) if isinstance(table, dict) else ""
+        if value.startswith("~") or "runs/" in value:
             data = _set(data, path, local)
     return data
 
@@ -454,8 +456,9 @@ def test_a_broken_recipe_gets_exit_2_and_file_line_messages(workdir, case, gpus)
     if config is not None:
         (workdir / "model" / "config.json").write_text(config)
     validated = _skyrl("recipes", "validate", path.name, "--gpus", str(gpus), gpus=gpus)
-    stages = [s for s in ("sft", "rl") if re.search(rf"^\[{s}[.\]]", broken.source, re.MULTILINE)] or ["sft"]
-    planned = [_skyrl(stage, path.name, "--dry-run", gpus=gpus) for stage in stages]
+    stages = [s for s in ("sft", "rl", "tinker") if re.search(rf"^\[{s}[.\]]", broken.source, re.MULTILINE)] or ["sft"]
+    commands = {"tinker": ("tinker", "serve")}
+    planned = [_skyrl(*commands.get(stage, (stage,)), path.name, "--dry-run", gpus=gpus) for stage in stages]
     GENERATED.append((broken.kind, validated[0]))
     for code, output in [validated, *planned]:
         assert "Traceback" not in output and "internal error" not in output, output

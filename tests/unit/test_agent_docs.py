@@ -1,35 +1,36 @@
-"""The README's "Agents and tools" examples, run as written: the tool environment drives an episode
-(scripted model turns, the real pythonic tool parser), and the black-box agent talks to the real
-agent endpoint over HTTP with the ``openai`` client (a scripted rollout client behind it)."""
+"""The examples of the docs page ``docs/agents.md`` (the two python blocks marked
+``<!-- run: tests/unit/test_agent_docs.py -->``), run as written: the tool environment drives an
+episode (scripted model turns, the real pythonic tool parser), and the black-box agent talks to the
+real agent endpoint over HTTP with the ``openai`` client (a scripted rollout client behind it)."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 import types
-from pathlib import Path
 
 from backends.rollout.agents import AgentServer, run_agent, samples_from_calls
 from backends.rollout.environments import ToolUse, TurnText, run_episode
 from backends.rollout.rewards import GuardedCaller
+from tests.docs_blocks import DOCS, blocks
 from tests.unit.test_agent_endpoint import ScriptedClient
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = DOCS / "agents.md"
+MARKER = ("run", "tests/unit/test_agent_docs.py")
 ROW = {"prompt": "apples?", "answer": 7, "stock": {"main": {"apple": 7}}}
 
 
 def examples() -> list[str]:
-    section = README.read_text().split("### Agents and tools", 1)[1].split("\n### ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    """The page's python blocks that this test runs, in page order."""
+    return [b.code for b in blocks(PAGE) if b.lang == "python" and b.marker == MARKER]
 
 
 def load(code: str, name: str) -> types.ModuleType:
     module = types.ModuleType(name)
-    exec(compile(code, f"README.md:{name}", "exec"), module.__dict__)
+    exec(compile(code, f"docs/agents.md:{name}", "exec"), module.__dict__)
     return module
 
 
-def test_the_readme_has_both_examples():
+def test_the_page_has_both_examples():
     env_code, agent_code = examples()
     assert "class Inventory(Environment)" in env_code and "async def solve(row, endpoint)" in agent_code
     assert len(env_code.splitlines()) <= 30 and len(agent_code.splitlines()) <= 25

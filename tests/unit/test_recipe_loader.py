@@ -154,3 +154,42 @@ def test_resolved_recipe_round_trips_through_json():
     text = json.dumps(recipe.model_dump(mode="json", by_alias=True))
     assert Recipe.model_validate_json(text) == recipe
     assert '"async"' in text
+
+
+def test_a_missing_run_output_names_the_command_that_writes_it(minimal, tmp_path, monkeypatch):
+    """Any missing runs/<run>/<stage>/final names `skyrl <stage> <run>` (and where to run it, if not here)."""
+    minimal.write_text(MINIMAL + "\n[rl]\n")
+    monkeypatch.chdir(tmp_path)
+    assert problems(minimal, ["rl.init_from=runs/quickstart/rl/final"]) == [
+        "--set: rl.init_from: file not found: runs/quickstart/rl/final; "
+        "run `skyrl rl quickstart` first (it writes runs/quickstart/rl/final)"
+    ]
+    monkeypatch.chdir(tmp_path.parent)
+    assert problems(minimal, ["rl.init_from=runs/my-run/sft/final/"]) == [
+        "--set: rl.init_from: file not found: runs/my-run/sft/final/; "
+        f"run `skyrl sft` on the recipe named 'my-run' in {tmp_path} first (it writes runs/my-run/sft/final there)"
+    ]
+
+
+@pytest.mark.parametrize("value", ["runs/quickstart/sft/checkpoints", "runs/quickstart/tinker/final", "models/final"])
+def test_other_missing_paths_get_no_run_hint(minimal, value):
+    minimal.write_text(MINIMAL + "\n[rl]\n")
+    assert problems(minimal, [f"rl.init_from={value}"]) == [f"--set: rl.init_from: file not found: {value}"]
+
+
+def test_a_data_file_of_an_unread_format_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "rows.csv").write_text("prompt,answer\n")
+    (tmp_path / "rows.v2").mkdir()  # an HF dataset directory may have any name
+    path = tmp_path / "r.toml"
+    path.write_text('name = "t"\n[model]\ninit = {}\n[data]\ntrain = "rows.csv"\neval = "rows.v2"\n[sft]\n')
+    assert problems(path) == [
+        f"{path}:5: data.train: unsupported data file 'rows.csv' (use .jsonl, .parquet or an HF dataset directory)"
+    ]
+
+
+def test_an_environment_and_a_reward_function_together_are_refused(minimal):
+    sets = ["rl.environment=mod:Env", "rl.reward=mod:score"]
+    found = [p for p in problems(minimal, sets) if "not both" in p]
+    assert found == [
+        "--set: rl.reward: set rl.environment or rl.reward, not both (an environment computes its own reward)"
+    ]
