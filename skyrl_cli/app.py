@@ -15,7 +15,7 @@ import typer
 from skyrl_cli import __version__
 from skyrl_contracts.errors import SkyrlError
 
-COMMAND_MODULES = ("recipes", "completions", "sft", "rl", "quantize", "bench", "tinker", "runs", "doctor")
+COMMAND_MODULES = ("recipes", "completions", "sft", "rl", "quantize", "engines", "bench", "tinker", "runs", "doctor")
 
 app = typer.Typer(
     name="skyrl",

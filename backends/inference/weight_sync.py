@@ -114,8 +114,10 @@ async def _for_each_engine(
                 await _paused(http, url, lambda: update_one(http, url))
             else:
                 await update_one(http, url)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as err:
-            log.warning("weight sync: %s unreachable (%s); recovery will update it", url, err)
+        except (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as err:
+            # NetworkError, not only ConnectError: an engine killed during its update resets the
+            # connection (ReadError), which used to fail the whole run instead of waiting for it.
+            log.warning("weight sync: %s unreachable (%s: %s); recovery will update it", url, type(err).__name__, err)
             unreachable.append(url)
             return
         engine_seconds[url] = time.perf_counter() - t0
@@ -127,7 +129,8 @@ async def _for_each_engine(
             await http.aclose()
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
-        raise errors[0] if isinstance(errors[0], WeightSyncError) else WeightSyncError(str(errors[0]))
+        first = errors[0]
+        raise first if isinstance(first, WeightSyncError) else WeightSyncError(f"{type(first).__name__}: {first}")
     if engine_urls and len(unreachable) == len(engine_urls):
         raise NoEngineReachable(f"weight sync to version {version}: no engine reachable ({', '.join(unreachable)})")
     result = WeightSyncResult(version, time.perf_counter() - started, engine_seconds, tuple(unreachable))
@@ -244,6 +247,21 @@ async def unload_lora_adapter(
 
     async with httpx.AsyncClient(timeout=ADMIN_TIMEOUT_S) if http is None else _borrowed(http) as client:
         await asyncio.gather(*(one(client, u) for u in engine_urls))
+
+
+async def unload_policy_adapters(engine_urls: Sequence[str]) -> list[str]:
+    """Unload every policy adapter (``policy-v<N>``) the engines hold: an engine pool's engines
+    still have the last adapter of the run before, under a name the next run will load again.
+    Returns the names unloaded."""
+    names: set[str] = set()
+    async with httpx.AsyncClient(timeout=ADMIN_TIMEOUT_S) as client:
+        for url in engine_urls:
+            response = await client.get(f"{url}/v1/models")
+            if response.status_code == 200:
+                names |= {m["id"] for m in response.json().get("data", []) if adapter_version(m["id"]) is not None}
+        for name in sorted(names):
+            await unload_lora_adapter(engine_urls, name, http=client)
+    return sorted(names)
 
 
 async def set_weight_version(

@@ -7,6 +7,10 @@ updates per step (skyrl ``rl.mini_batches`` = TRL ``steps_per_generation``) and 
 Held-out accuracy: greedy, on the same 500 rows, scored by the task's checker (skyrl through its
 engines, TRL through ``backends.train.evaluate``). The sides alternate within each repetition.
 
+``skyrl-pool-sync`` / ``skyrl-pool-async`` run on an engine pool (``skyrl engines up``, started
+once before the repetitions and not timed, as a user keeps one running between runs); the other
+skyrl sides start their own engines (``--pool none``).
+
 Per run: wall time from the launch to the first evaluation >= the run's initial accuracy + 10
 points, samples/s over the whole command, final accuracy after the same samples, the start-up
 (launch -> first evaluation), peak memory of the process tree, load average; for skyrl the phase
@@ -42,7 +46,9 @@ from skyrl_side import (
     time_to,
 )  # noqa: E402
 
-SIDES = ("skyrl-sync", "skyrl-async", "trl")
+# skyrl-pool-*: on an engine pool started before the repetitions (skyrl engines up, not timed: the
+# engines a user keeps running between runs); skyrl-sync / -async start their own (--pool none).
+SIDES = ("skyrl-sync", "skyrl-async", "skyrl-pool-sync", "skyrl-pool-async", "trl")
 
 
 def parse_args(argv=None):
@@ -104,8 +110,30 @@ def export_rl_rows(recipe, work: Path) -> str:
     return str(path)
 
 
-def run_skyrl(mode: str, recipe_file: Path, sets: list[str], work: Path, rep: int, samples_per_step: int) -> dict:
-    run_dir = work / f"skyrl-{mode}-{rep}"
+def pools_env(work: Path) -> dict:
+    return {"SKYRL_POOLS_DIR": str(work / "pools")}
+
+
+def start_pool(mode: str, recipe_file: Path, sets: list[str], work: Path) -> str:
+    """``skyrl engines up`` for the pool sides (once, before the repetitions); returns its name."""
+    name = f"bench-{mode}"
+    argv = [SKYRL, "engines", "up", str(recipe_file), "--name", name, *(["--async"] if mode == "async" else [])]
+    for item in sets:
+        argv += ["--set", item]
+    m = run_measured(argv, work / f"pool-{mode}.log", pools_env(work))
+    print(f"engine pool {name}: up in {m['wall_s']:.1f} s (not counted in the runs)", flush=True)
+    return name
+
+
+def stop_pools(work: Path) -> None:
+    run_measured([SKYRL, "engines", "down", "--all", "--force"], work / "pools-down.log", pools_env(work))
+
+
+def run_skyrl(
+    side: str, recipe_file: Path, sets: list[str], work: Path, rep: int, samples_per_step: int, pool: str = "none"
+) -> dict:
+    mode = side.rsplit("-", 1)[1]
+    run_dir = work / f"{side}-{rep}"
     argv = [
         SKYRL,
         "rl",
@@ -114,11 +142,13 @@ def run_skyrl(mode: str, recipe_file: Path, sets: list[str], work: Path, rep: in
         str(run_dir),
         "--overwrite",
         "--quiet",
+        "--pool",
+        pool,
         *(["--async"] if mode == "async" else []),
     ]
     for item in sets:
         argv += ["--set", item]
-    m = run_measured(argv, work / f"skyrl-{mode}-{rep}.log")
+    m = run_measured(argv, work / f"{side}-{rep}.log", pools_env(work))
     events = skyrl_events(run_dir)
     steps = phases(run_dir, m["launched"], samples_per_step)
     if mode == "async":  # generation overlaps training: its window is not one phase of the step
@@ -198,20 +228,37 @@ def main(argv=None) -> None:
     print(f"{machine()}; {spec}; work folder {work}", flush=True)
     samples = spec.steps * spec.samples_per_step
     runs: dict[str, list[dict]] = {side: [] for side in args.sides}
-    for rep in range(args.reps):
-        for side in args.sides:
-            if side == "trl":
-                r = run_trl(work / "spec.json", work, rep, args.trl_threads, spec.mini_batches)
-            else:
-                r = run_skyrl(side.split("-")[1], recipe_file, sets, work, rep, spec.samples_per_step)
-            runs[side].append(r)
-            m = measures(r, args.gain, samples)
-            print(
-                f"rep {rep} {side}: start-up {m['start_s']:.1f} s, accuracy {m['initial']:.3f} -> {m['final']:.3f}, "
-                f"+{args.gain * 100:.0f} points at {fmt(m['to_gain_s'], 1)} s, {m['samples_per_s']:.1f} samples/s, wall {m['wall_s']:.1f} s, "
-                f"peak RSS {m['rss_mb']:.0f} MiB, load {fmt(m['load'])} {r.get('phases', '')}",
-                flush=True,
-            )
+    pools = {
+        side: start_pool(side.rsplit("-", 1)[1], recipe_file, sets, work)
+        for side in args.sides
+        if side.startswith("skyrl-pool-")
+    }
+    try:
+        for rep in range(args.reps):
+            for side in args.sides:
+                if side == "trl":
+                    r = run_trl(work / "spec.json", work, rep, args.trl_threads, spec.mini_batches)
+                else:
+                    r = run_skyrl(side, recipe_file, sets, work, rep, spec.samples_per_step, pools.get(side, "none"))
+                runs[side].append(r)
+                report(rep, side, r, args.gain, samples)
+    finally:
+        if pools:
+            stop_pools(work)
+    finish(args, runs, spec, samples)
+
+
+def report(rep: int, side: str, r: dict, gain: float, samples: int) -> None:
+    m = measures(r, gain, samples)
+    print(
+        f"rep {rep} {side}: start-up {m['start_s']:.1f} s, accuracy {m['initial']:.3f} -> {m['final']:.3f}, "
+        f"+{gain * 100:.0f} points at {fmt(m['to_gain_s'], 1)} s, {m['samples_per_s']:.1f} samples/s, wall {m['wall_s']:.1f} s, "
+        f"peak RSS {m['rss_mb']:.0f} MiB, load {fmt(m['load'])} {r.get('phases', '')}",
+        flush=True,
+    )
+
+
+def finish(args, runs: dict[str, list[dict]], spec, samples: int) -> None:
     rows = summarise(runs, args.gain, samples)
     if args.json:
         args.json.write_text(

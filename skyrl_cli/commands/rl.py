@@ -18,6 +18,14 @@ AsyncOpt = Annotated[
         "--async", help="Fully-async RL: generation runs ahead of training up to rl.async.max_staleness versions."
     ),
 ]
+PoolOpt = Annotated[
+    str,
+    typer.Option(
+        "--pool",
+        help="Engines from a running pool (skyrl engines up): auto = the first free one that fits, else the run's "
+        "own; none = always its own; or a pool's name.",
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -32,6 +40,7 @@ def register(app: typer.Typer) -> None:
         overwrite: common.OverwriteOpt = False,
         quiet: common.QuietOpt = False,
         json_: common.JsonOpt = False,
+        pool_name: PoolOpt = "auto",
     ) -> None:
         """Reinforcement learning from the recipe's rl section (GRPO family), sync or fully async.
 
@@ -45,27 +54,60 @@ def register(app: typer.Typer) -> None:
         machine = detect_machine()  # one look at the host: validation and the plan see the same facts
         loaded = common.load_for_run(recipe, set_, "rl", machine=machine)
         directory = common.run_dir_for(loaded, "rl", run_dir).resolve()
-        plan = build_plan(
-            loaded,
-            "rl",
-            directory,
-            resume=resume,
-            async_mode=async_mode,
-            machine=machine,
-            recipe_dir=common.recipe_dir(recipe),
-        )
+
+        def plan_with(pool=None):
+            return build_plan(
+                loaded,
+                "rl",
+                directory,
+                resume=resume,
+                async_mode=async_mode,
+                machine=machine,
+                recipe_dir=common.recipe_dir(recipe),
+                pool=pool,
+            )
+
+        plan = plan_with()
+        pool, not_fitting = pick_pool(pool_name, loaded, plan)
+        if pool is not None:
+            plan = plan_with(pool.attachment())
         if dry_run:
             common.print_plan(plan, json_)
+            if not json_:
+                for line in [*not_fitting, f"using engine pool {pool.name} ({pool.path})" if pool else None]:
+                    if line:
+                        typer.echo(line, err=True)
             return
         from skyrl_cli.engines.stack import check_remote_engines  # light: httpx only
 
         check_remote_engines(loaded.inference.urls)  # before the SFT stage, engines or trainer start
-        ensure_initial_policy(loaded, mode)
-        summary = run_rl(loaded, plan, directory, mode, resume=resume, overwrite=overwrite)
+        with held(pool, directory):  # from before an SFT stage that runs first: no run takes it meanwhile
+            if pool is not None and mode != "json":
+                typer.echo(f"rl: using engine pool {pool.name} (--pool none for engines of the run's own)", err=True)
+            ensure_initial_policy(loaded, mode)
+            summary = run_rl(loaded, plan, directory, mode, resume=resume, overwrite=overwrite, pool=pool)
         if mode != "json":
             typer.echo(final_line(summary, directory))
             if "health" in summary:
                 typer.echo(f"warning: {summary['health']['message']}", err=True)
+
+
+def held(pool, run_dir: Path):
+    """The pool's lock for the run (a busy pool is refused in one line), or nothing without a pool."""
+    import contextlib
+
+    from skyrl_cli.engines.pool import leased
+
+    return leased(pool, run_dir) if pool is not None else contextlib.nullcontext()
+
+
+def pick_pool(requested: str, recipe, own_plan):
+    """The engine pool the run uses (``skyrl_cli.engines.pool.choose_pool``) and, for --dry-run,
+    why each other pool does not fit."""
+    from skyrl_cli.engines.pool import choose_pool
+    from skyrl_cli.plan.rl import init_model_dir
+
+    return choose_pool(requested, own_plan, recipe.inference.engines, init_model_dir(recipe))
 
 
 def ensure_initial_policy(recipe, mode) -> None:
@@ -112,43 +154,59 @@ def clear_exchange(run_dir: RunDir) -> None:
     remove_leftovers(run_dir.weights)
 
 
-def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool) -> dict:
-    from skyrl_cli.engines.stack import launch_inference  # light: httpx only
+def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool, pool=None) -> dict:
+    """``pool``: an engine pool (``skyrl_cli.engines.pool.Pool``, ``held`` by the caller) whose
+    engines and router the run uses and leaves running."""
+    run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
+    clear_exchange(run_dir)
+    return _run_rl(recipe, plan, run_dir, directory, mode, pool)
+
+
+def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool) -> dict:
+    from skyrl_cli.engines.stack import attach_inference, launch_inference  # light: httpx only
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.metrics.follow import FollowedRun
     from skyrl_contracts.events import EventWriter
 
-    run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
-    clear_exchange(run_dir)
     sinks = common.output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
     order = plan.start_order()  # the one statement of what starts when
-    (router,) = order.router
     started, started_at = time.monotonic(), time.time()
+    step = lambda: run_dir.latest_weights_version() or 0  # noqa: E731
     with (
         reported("rl", directory) as progress,
         Supervisor(directory) as supervisor,
         EventWriter(run_dir.events, "inference") as writer,
     ):
         run_setup_jobs(supervisor, order.setup, progress)
-        progress.phase = "engine start-up"
-        stack = launch_inference(
-            supervisor,
-            order.engines,
-            router,
-            plan.engine_urls,
-            plan.router_url,
-            directory,
-            writer=writer,
-            step_fn=lambda: run_dir.latest_weights_version() or 0,
-            early_jobs=order.beside_engines,
-        )
+        if pool is None:
+            progress.phase = "engine start-up"
+            (router,) = order.router
+            stack = launch_inference(
+                supervisor,
+                order.engines,
+                router,
+                plan.engine_urls,
+                plan.router_url,
+                directory,
+                writer=writer,
+                step_fn=step,
+                early_jobs=order.beside_engines,
+            )
+        else:
+            progress.phase = f"loading the initial weights into engine pool {pool.name}"
+            attach_checks(pool, recipe)
+            for spec in order.beside_engines:  # the learner's start-up overlaps the weight load
+                supervisor.start(spec)
+            remote = [u for u in plan.engine_urls if u not in pool.engine_urls]
+            stack = attach_inference(supervisor, pool, remote, directory, writer=writer, step_fn=step)
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
             extra = {
                 "stage": "rl",
                 "async": plan.async_mode,
                 "final_model": str(run_dir.final),
                 "started_at": started_at,
+                **({"pool": pool.name} if pool is not None else {}),
             }
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
                 run_jobs(supervisor, plan, order, stack, run, progress)
@@ -161,6 +219,14 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
         finally:
             stack.stop()
     return run.summary or {}
+
+
+def attach_checks(pool, recipe) -> None:
+    """What the pool's fit could not check before the SFT stage that ran first wrote the model."""
+    from skyrl_cli.engines.pool import check_attached_model
+    from skyrl_cli.plan.rl import init_model_dir
+
+    check_attached_model(pool, init_model_dir(recipe))
 
 
 def run_setup_jobs(supervisor, setup, progress) -> None:

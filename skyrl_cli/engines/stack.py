@@ -95,19 +95,56 @@ def launch_inference(
     supervisor.start(router_spec)
     supervisor.wait_ready([router_spec.name])
     stack = InferenceStack(names, list(engine_urls), router_url.rstrip("/"))
+    return watch(stack, supervisor, run_dir, router_spec.name, writer, step_fn, recover, metrics_period_s)
+
+
+def attach_inference(
+    supervisor: Supervisor,
+    pool,
+    remote_urls: Sequence[str],
+    run_dir: str | os.PathLike,
+    *,
+    writer: EventWriter | None = None,
+    step_fn: Callable[[], int] = lambda: 0,
+    recover: bool = True,
+    metrics_period_s: float | None = 5.0,
+) -> InferenceStack:
+    """The inference side of a run on an engine pool (``skyrl_cli.engines.pool.Pool``, held by the
+    run): its processes adopted, the run's initial weights loaded, then watched as a run's own."""
+    from skyrl_cli.engines.pool import adopt, load_run_weights
+
+    names, router_name = adopt(supervisor, pool)
+    load_run_weights(pool, run_dir)
+    if remote_urls:
+        run_blocking(bring_up_to_date(list(remote_urls), read_current_weights(run_dir)))
+    stack = InferenceStack(names, [*pool.engine_urls, *remote_urls], pool.router_url)
+    return watch(stack, supervisor, run_dir, router_name, writer, step_fn, recover, metrics_period_s)
+
+
+def watch(
+    stack: InferenceStack,
+    supervisor: Supervisor,
+    run_dir: str | os.PathLike,
+    router_name: str,
+    writer: EventWriter | None,
+    step_fn: Callable[[], int],
+    recover: bool,
+    metrics_period_s: float | None,
+) -> InferenceStack:
+    """Start the recovery loop and the metrics scraper of a stack whose processes run."""
     if recover:
-        local = dict(zip(names, engine_urls))
-        remote = list(engine_urls[len(names) :])
+        local = dict(zip(stack.engine_names, stack.engine_urls))
+        remote = list(stack.engine_urls[len(stack.engine_names) :])
         stack.recovery = EngineRecovery(
             supervisor,
             local,
-            router_url,
+            stack.router_url,
             run_dir,
             remote_urls=remote,
             writer=writer,
             step_fn=step_fn,
-            router_name=router_spec.name,
+            router_name=router_name,
         ).start()
     if writer is not None and metrics_period_s:
-        stack.scraper = MetricsScraper(engine_urls, writer, router_url, metrics_period_s, step_fn).start()
+        stack.scraper = MetricsScraper(stack.engine_urls, writer, stack.router_url, metrics_period_s, step_fn).start()
     return stack

@@ -15,6 +15,12 @@ torn down when the supervisor exits for any reason:
   when the pipe closes; as a second line, each child is started with ``PR_SET_PDEATHSIG=SIGTERM``.
   PDEATHSIG fires when the *thread* that forked the child exits, so only start processes from the
   main thread or threads that live as long as the run.
+
+Detached processes (``start(spec, detached=True)``, and ``adopt`` of one an earlier command
+started) are the exception: an engine pool's (``skyrl_cli.engines.pool``) outlive the command, so
+they get no PDEATHSIG, the reaper is not told about them and the teardown leaves them running.
+They are still polled, waited for and restarted (``restart`` keeps them detached; ``on_detached``
+hears of the new process, so the pool's state file can follow it).
 """
 
 from __future__ import annotations
@@ -151,13 +157,47 @@ def failure_message(what: str, log_path: Path, lines: int = 20) -> str:
 @dataclass
 class ManagedProcess:
     spec: ProcessSpec
-    popen: subprocess.Popen
+    popen: "subprocess.Popen | AdoptedProcess"
     log_path: Path
     started_at: float
+    detached: bool = False  # outlives the supervisor (an engine pool's)
 
     @property
     def returncode(self) -> int | None:
         return self.popen.poll()
+
+
+class AdoptedProcess:
+    """The ``Popen`` surface (pid, poll, wait) of a process another command started: it is not our
+    child, so its exit code is unknown (1 stands for "exited") and init reaps it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return None if pid_alive(self.pid) else 1
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return 1
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, which still answers ``kill(pid, 0)``, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def child_env(base: dict[str, str], overrides: dict[str, str]) -> dict[str, str]:
@@ -182,8 +222,14 @@ def child_env(base: dict[str, str], overrides: dict[str, str]) -> dict[str, str]
 class Supervisor:
     """Context manager owning the processes of one run. See the module docstring."""
 
-    def __init__(self, run_dir: str | os.PathLike, base_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        base_env: dict[str, str] | None = None,
+        on_detached: Callable[[ManagedProcess], None] | None = None,
+    ):
         self.run_dir = Path(run_dir)
+        self.on_detached = on_detached
         self.paths = RunDir(self.run_dir)
         self.logs_dir = self.paths.logs
         self.logs_dir.mkdir(parents=True, exist_ok=True)
@@ -216,13 +262,14 @@ class Supervisor:
             atexit.unregister(self.shutdown)
 
     # ------------------------------------------------------------------ processes
-    def start(self, spec: ProcessSpec) -> ManagedProcess:
+    def start(self, spec: ProcessSpec, detached: bool = False, log_path: Path | None = None) -> ManagedProcess:
+        """Start ``spec`` (its output to ``log_path``, default ``logs/<name>.log`` of the run)."""
         with self._lock, deferred():  # started => registered, so that the teardown reaches it
             if self._closed:
                 raise LaunchError(f"not starting {spec.name}: the run is shutting down")
             if spec.name in self.processes and self.processes[spec.name].returncode is None:
                 raise LaunchError(f"process {spec.name!r} is already running")
-            log_path = self.paths.log(spec.name)
+            log_path = Path(log_path) if log_path is not None else self.paths.log(spec.name)
             log = open(log_path, "ab", buffering=0)
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode())
             env = child_env(self.base_env, spec.env)
@@ -237,14 +284,24 @@ class Supervisor:
                     stdin=subprocess.DEVNULL,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=None if detached else _die_with_parent,
                 )
             except OSError as err:
                 raise LaunchError(f"cannot start {spec.name}: {spec.argv[0]}: {err.strerror}") from err
             finally:
                 log.close()  # the child holds its own descriptor
-            proc = ManagedProcess(spec, popen, log_path, time.monotonic())
-            self._tell_reaper(f"+{popen.pid}")
+            proc = ManagedProcess(spec, popen, log_path, time.monotonic(), detached=detached)
+            if not detached:
+                self._tell_reaper(f"+{popen.pid}")
+            self.processes[spec.name] = proc
+        if detached and self.on_detached is not None:
+            self.on_detached(proc)
+        return proc
+
+    def adopt(self, spec: ProcessSpec, pid: int, log_path: Path) -> ManagedProcess:
+        """Supervise a detached process an earlier command started (an engine pool's)."""
+        with self._lock:
+            proc = ManagedProcess(spec, AdoptedProcess(pid), Path(log_path), time.monotonic(), detached=True)
             self.processes[spec.name] = proc
             return proc
 
@@ -348,20 +405,23 @@ class Supervisor:
             proc = self.processes.get(name)
         if proc is not None:
             _terminate_groups([proc], grace_s)
-            self._tell_reaper(f"-{proc.popen.pid}")
+            if not proc.detached:
+                self._tell_reaper(f"-{proc.popen.pid}")
 
     def restart(self, name: str, spec: ProcessSpec | None = None) -> ManagedProcess:
+        """Stop ``name`` and start it again (a detached process comes back detached)."""
         with self._lock:
             old = self.processes[name]
         self.stop(name)
-        return self.start(spec or old.spec)
+        # A detached process keeps its log (an engine pool's is in the pool's folder, not the run's).
+        return self.start(spec or old.spec, detached=old.detached, log_path=old.log_path if old.detached else None)
 
     def shutdown(self, grace_s: float = TERM_GRACE_S) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            procs = list(self.processes.values())
+            procs = [p for p in self.processes.values() if not p.detached]
         # Reverse start order: jobs and the router go before the engines they talk to.
         with deferred():  # a Ctrl-C now is raised once every group is gone
             _terminate_groups(list(reversed(procs)), grace_s)

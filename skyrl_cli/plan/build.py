@@ -12,7 +12,7 @@ from typing import Callable
 
 from skyrl_cli.plan.feasibility import assert_feasible
 from skyrl_cli.plan.machine import MachineFacts
-from skyrl_cli.plan.model import LaunchPlan
+from skyrl_cli.plan.model import LaunchPlan, PoolAttachment
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
@@ -63,11 +63,20 @@ def _plan_quantize(
     return plan_quantize(recipe, run_dir, resume, machine)
 
 
+def _plan_pool(
+    recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
+) -> LaunchPlan:
+    from skyrl_cli.plan.pool import plan_pool
+
+    return plan_pool(recipe, run_dir, machine, async_mode)
+
+
 STAGE_PLANNERS: dict[str, Planner] = {
     "sft": plan_sft,
     "rl": _plan_rl,
     "tinker": _plan_tinker,
     "quantize": _plan_quantize,
+    "pool": _plan_pool,  # skyrl engines up: a pool's folder in place of a run directory
 }
 
 
@@ -79,10 +88,12 @@ def build_plan(
     async_mode: bool = False,
     machine: MachineFacts | None = None,
     recipe_dir: str | Path | None = None,
+    pool: PoolAttachment | None = None,
 ) -> LaunchPlan:
     """The launch plan of ``stage``; ``machine`` defaults to this host's detected facts.
     ``recipe_dir``: the recipe file's directory (user code is imported from there first). A recipe
-    this machine cannot run raises ``UsageError`` (``skyrl_cli.plan.feasibility``)."""
+    this machine cannot run raises ``UsageError`` (``skyrl_cli.plan.feasibility``). ``pool``: the
+    RL stage uses that engine pool's engines and router."""
     if stage not in STAGE_PLANNERS:
         raise UsageError(f"no planner for stage {stage!r}")
     if machine is None:
@@ -92,4 +103,10 @@ def build_plan(
     # The loader has run these checks with the same facts; this only guards a recipe built in code.
     assert_feasible(recipe, machine)
     code_dir = Path(recipe_dir).resolve() if recipe_dir is not None else None
+    if pool is not None:
+        if stage != "rl":
+            raise UsageError(f"engine pools serve RL runs, not {stage}")
+        from skyrl_cli.plan.rl import plan_rl
+
+        return plan_rl(recipe, Path(run_dir).resolve(), resume, async_mode, machine, code_dir, pool=pool)
     return STAGE_PLANNERS[stage](recipe, Path(run_dir).resolve(), resume, async_mode, machine, code_dir)

@@ -52,8 +52,8 @@ class StartOrder(Frozen):
 
 class LaunchPlan(Frozen):
     stage: Literal[
-        "sft", "rl", "tinker", "quantize"
-    ]  # a stage is listed here once it has a planner (plan.build.STAGE_PLANNERS)
+        "sft", "rl", "tinker", "quantize", "pool"
+    ]  # a stage is listed here once it has a planner (plan.build.STAGE_PLANNERS); "pool": skyrl engines up
     run_dir: str
     device: Literal["cpu", "cuda"]
     resume: bool = False
@@ -64,6 +64,8 @@ class LaunchPlan(Frozen):
     processes: tuple[ProcessSpec, ...] = ()
     # RL: how policy versions reach the engines (skyrl_cli.plan.weight_sync); None for other stages.
     weight_sync: Literal["nccl", "disk", "lora", "int4"] | None = None
+    # RL on an engine pool's engines and router (skyrl engines up): its name; they are not in processes.
+    pool: str | None = None
 
     def start_order(self) -> StartOrder:
         """Setup jobs to their end; the engines, with the jobs marked ``start_with_engines`` beside
@@ -75,3 +77,11 @@ class LaunchPlan(Frozen):
         placed = {p.name for p in (*setup, *engines, *beside, *router)}
         rest = tuple(p for p in self.processes if p.name not in placed)
         return StartOrder(setup=setup, engines=engines, beside_engines=beside, router=router, after_router=rest)
+
+
+class PoolAttachment(Frozen):
+    """The running engine pool an RL plan uses instead of starting engines (``skyrl_cli.engines.pool``)."""
+
+    name: str
+    engine_urls: tuple[str, ...]
+    router_url: str

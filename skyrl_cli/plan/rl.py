@@ -19,7 +19,7 @@ from pathlib import Path
 
 from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
-from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
+from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
 from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
 from skyrl_contracts.errors import UsageError
@@ -123,8 +123,16 @@ def engine_model_setup(
 
 
 def plan_rl(
-    recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
+    recipe: Recipe,
+    run_dir: Path,
+    resume: bool,
+    async_mode: bool,
+    machine: MachineFacts,
+    recipe_dir: Path | None = None,
+    pool: PoolAttachment | None = None,
 ) -> LaunchPlan:
+    """``pool``: use a running engine pool's engines and router (``skyrl engines up``) instead of
+    starting them; the setup job still makes the model this run loads into them."""
     if recipe.rl is None:
         raise UsageError("the recipe has no [rl] section")
     if recipe.trainer.nnodes > 1:
@@ -143,10 +151,14 @@ def plan_rl(
     engine_ports, (router_port, prometheus_port, rdzv_port, nccl_port) = ports[: inf.engines], ports[inf.engines :]
     router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
     setup, served = engine_model_setup(weight_sync, run_dir, init_from, machine)
-    engines = engine_specs(recipe, inf_machine, engine_ports, str(served), async_mode, weight_sync)
-    urls = all_engine_urls(recipe, inf_machine, engine_ports)
-    router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
-    router_url = engine_url(inf_machine, router_port)
+    if pool is None:
+        engines = engine_specs(recipe, inf_machine, engine_ports, str(served), async_mode, weight_sync)
+        urls = all_engine_urls(recipe, inf_machine, engine_ports)
+        inference = (*engines, router_spec(recipe, inf_machine, urls, router_port, prometheus_port))
+        router_url = engine_url(inf_machine, router_port)
+    else:
+        urls = [*pool.engine_urls, *(u.rstrip("/") for u in inf.urls)]
+        inference, router_url = (), pool.router_url
     trainer = trainer_spec(
         recipe,
         run_dir,
@@ -175,8 +187,9 @@ def plan_rl(
         world_size=world_size(recipe),
         engine_urls=tuple(urls),
         router_url=router_url,
-        processes=(*setup, *engines, router, orchestrator, trainer),
+        processes=(*setup, *inference, orchestrator, trainer),
         weight_sync=weight_sync,
+        pool=pool.name if pool is not None else None,
     )
 
 

@@ -1,0 +1,132 @@
+"""`skyrl engines up|status|down`: engine pools, a recipe's vLLM engines and router that outlive
+runs (``skyrl_cli.engines.pool``). `skyrl rl` uses a free pool that fits its recipe (``--pool``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from skyrl_cli.commands import common
+
+AsyncOpt = Annotated[bool, typer.Option("--async", help="Engines as skyrl rl --async starts them (for --async runs).")]
+
+
+def up(
+    recipe: common.RecipeArg,
+    name: Annotated[Optional[str], typer.Option("--name", help="The pool's name (default: the recipe's name).")] = None,
+    async_mode: AsyncOpt = False,
+    set_: common.SetOpt = None,
+    dry_run: common.DryRunOpt = False,
+    json_: common.JsonOpt = False,
+) -> None:
+    """Start the engines and router of RECIPE's RL stage as a pool and return once they serve."""
+    from skyrl_cli.engines.pool import check_name, pools_dir, prepare_pool_dir, start_pool
+    from skyrl_cli.plan.feasibility import assert_feasible
+    from skyrl_cli.plan.machine import detect_machine
+    from skyrl_cli.plan.pool import model_signature, plan_pool
+    from skyrl_cli.plan.rl import init_model_dir
+
+    machine = detect_machine()
+    loaded = common.load_for_run(recipe, set_, "rl", machine=machine)
+    assert_feasible(loaded, machine)
+    pool_name = check_name(name or loaded.name)
+    if dry_run:
+        common.print_plan(plan_pool(loaded, pools_dir() / pool_name, machine, async_mode), json_)
+        return
+    started = time.monotonic()
+    path = prepare_pool_dir(pool_name)
+    plan = plan_pool(loaded, path, machine, async_mode)
+    pool = start_pool(plan, pool_name, loaded.name, model_signature(init_model_dir(loaded)))
+    if json_:
+        typer.echo(json.dumps(pool.to_json()))
+        return
+    typer.echo(
+        f"engine pool {pool.name}: {len(pool.engines)} engine(s) {', '.join(pool.engine_urls)}, router {pool.router_url}, "
+        f"up in {time.monotonic() - started:.0f} s; skyrl rl uses it when it fits (skyrl engines down {pool.name} stops it)"
+    )
+
+
+def status(json_: common.JsonOpt = False) -> None:
+    """The pools on this machine: engines, router, health, the weights they serve, who uses them, since when."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from skyrl_cli.engines.pool import health, list_pools, pools_dir, served_version
+
+    pools = list_pools()
+    rows = []
+    for pool in pools:
+        holder = pool.holder()
+        rows.append(
+            {
+                "name": pool.name,
+                "recipe": pool.recipe,
+                "engines": [
+                    {"url": u, "pid": p.pid, "healthy": health(u), "weight_version": served_version(u)}
+                    for u, p in zip(pool.engine_urls, pool.engines)
+                ],
+                "router": {
+                    "url": pool.router_url,
+                    "pid": pool.router.pid,
+                    "healthy": health(pool.router_url, "/liveness"),
+                },
+                "model": pool.served_model,
+                "weight_sync": pool.weight_sync,
+                "async": pool.async_mode,
+                "in_use_by": holder.get("run_dir") if holder else None,
+                "since": pool.created_at,
+            }
+        )
+    if json_:
+        for row in rows:
+            typer.echo(json.dumps(row))
+        return
+    if not rows:
+        typer.echo(f"no engine pools (in {pools_dir()}); skyrl engines up RECIPE starts one")
+        return
+    table = Table(title="engine pools (skyrl engines down NAME stops one)")
+    for column in ("pool", "engines", "router", "serves", "in use by", "up since"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        engines = "\n".join(
+            f"{e['url']} {'ok' if e['healthy'] else 'DOWN'} v{e['weight_version']}" for e in row["engines"]
+        )
+        router = f"{row['router']['url']} {'ok' if row['router']['healthy'] else 'DOWN'}"
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["since"]))
+        table.add_row(f"{row['name']} ({row['recipe']})", engines, router, row["model"], row["in_use_by"] or "-", since)
+    Console().print(table)
+
+
+def down(
+    name: Annotated[Optional[str], typer.Argument(help="The pool to stop (default: the only one).")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Stop every pool.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Stop it even while a run uses it.")] = False,
+) -> None:
+    """Stop a pool's engines and router and remove its folder."""
+    from skyrl_cli.engines.pool import get_pool, list_pools, stop_pool
+    from skyrl_contracts.errors import UsageError
+
+    pools = list_pools()
+    if all_:
+        targets = pools
+    elif name is not None:
+        targets = [get_pool(name)]
+    elif len(pools) == 1:
+        targets = pools
+    else:
+        names = ", ".join(p.name for p in pools) or "none"
+        raise UsageError(f"name the pool to stop (pools: {names}), or pass --all")
+    for pool in targets:
+        stop_pool(pool, force=force)
+        typer.echo(f"stopped engine pool {pool.name}")
+
+
+def register(app: typer.Typer) -> None:
+    sub = typer.Typer(help="Engine pools: vLLM engines and a router that outlive runs.", no_args_is_help=True)
+    sub.command("up")(up)
+    sub.command("status")(status)
+    sub.command("down")(down)
+    app.add_typer(sub, name="engines")

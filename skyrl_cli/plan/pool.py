@@ -1,0 +1,162 @@
+"""An engine pool's plan (``skyrl engines up``): the recipe's RL engines and router, to outlive the
+command, and what a later run must match to use them.
+
+A pool is the inference half of an RL plan (``skyrl_cli.plan.rl``): the same engine and router
+specs, built by the same functions from the same recipe, with the pool's folder in place of a run
+directory. The engines start from ``<pool>/engine-model`` (the recipe's initial policy, served
+untied); a run that attaches loads its own initial weights into them, so the pool fits any run
+whose engines would have been started with the same flags (``engine_signature``) on a model of
+the same shape (``model_signature``): a run's own model never needs to be the pool's.
+
+Pools serve full-weight (disk) and LoRA runs. Not INT4 rollouts (the engines would serve a
+quantized export from start-up) and not the NCCL weight sync (its group with the trainer opens
+when the engines start): those runs start their own engines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from skyrl_cli.plan.inference import engine_specs, engine_url, router_spec
+from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
+from skyrl_cli.plan.rl import engine_model_setup, inference_machine, init_model_dir
+from skyrl_cli.plan.trainer import trainer_device
+from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.schema import Recipe
+
+POOL_STAGE = "pool"
+POOL_WEIGHT_SYNCS = ("disk", "lora")
+# Engine settings that differ between two plans of the same engines: where they listen, their
+# sampling seed, the model directory they boot from, the core they are pinned to, and whether they
+# die with the command that started them (a pool's do not).
+_PER_LAUNCH_FLAGS = ("--port", "--seed")
+_PER_LAUNCH_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "SKYRL_DIE_WITH_PARENT")
+# config.json keys that do not change what weights the engines hold.
+_MODEL_NOISE = ("_name_or_path", "torch_dtype", "dtype", "transformers_version", "tie_word_embeddings")
+
+
+def pool_weight_sync(recipe: Recipe, machine: MachineFacts) -> str:
+    device = trainer_device(recipe, machine)
+    return select_weight_sync(recipe, device, device == "cuda" and vllm_weight_transfer_available())
+
+
+def unpoolable(weight_sync: str) -> str | None:
+    """Why a run with this weight sync cannot use a pool; None when it can."""
+    if weight_sync == "int4":
+        return "quantization.int4_rollouts: the engines serve the INT4 export from start-up; this run starts its own"
+    if weight_sync == "nccl":
+        return (
+            'the NCCL weight sync opens its group with the trainer when the engines start; set inference.weight_sync = "disk" '
+            "to use a pool"
+        )
+    return None
+
+
+def plan_pool(recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode: bool = False) -> LaunchPlan:
+    """The setup job, engines and router of a pool in ``pool_dir``, for ``recipe``'s RL stage."""
+    if recipe.rl is None:
+        raise UsageError("skyrl engines up: the recipe has no [rl] section (a pool serves RL runs)")
+    if recipe.inference.engines == 0:
+        raise UsageError("inference.engines = 0: a pool needs local engines (inference.urls are started elsewhere)")
+    weight_sync = pool_weight_sync(recipe, machine)
+    why = unpoolable(weight_sync)
+    if why:
+        raise UsageError(f"skyrl engines up: {why}")
+    init_from = init_model_dir(recipe)
+    if not (init_from / "config.json").is_file():
+        raise UsageError(f"rl.init_from: no model at {init_from} (the engines start from it; run skyrl sft first)")
+    inf = recipe.inference
+    inf_machine = inference_machine(recipe, machine, trainer_device(recipe, machine))
+    ports = machine.free_ports(inf.engines + 2)
+    engine_ports, (router_port, prometheus_port) = ports[: inf.engines], ports[inf.engines :]
+    router_port = inf.router.port or router_port
+    setup, served = engine_model_setup(weight_sync, pool_dir, init_from, machine)
+    engines = [
+        detach(spec) for spec in engine_specs(recipe, inf_machine, engine_ports, str(served), async_mode, weight_sync)
+    ]
+    urls = [engine_url(inf_machine, p) for p in engine_ports]
+    router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
+    return LaunchPlan(
+        stage=POOL_STAGE,
+        run_dir=str(pool_dir),
+        device=trainer_device(recipe, machine),
+        async_mode=async_mode,
+        engine_urls=tuple(urls),
+        router_url=engine_url(inf_machine, router_port),
+        processes=(*setup, *engines, router),
+        weight_sync=weight_sync,
+    )
+
+
+def detach(spec: ProcessSpec) -> ProcessSpec:
+    """An engine that outlives the command that starts it (no ``SKYRL_DIE_WITH_PARENT``)."""
+    env = {k: v for k, v in spec.env.items() if k != "SKYRL_DIE_WITH_PARENT"}
+    return spec.model_copy(update={"env": env})
+
+
+def engine_signature(spec: ProcessSpec) -> dict[str, Any]:
+    """An engine's flags and environment without what differs per launch (port, seed, model
+    directory, core binding): two engines with equal signatures can serve the same runs."""
+    argv = list(spec.argv)
+    masked = []
+    skip = False
+    for i, word in enumerate(argv):
+        if skip:
+            masked.append("*")
+            skip = False
+        elif word in _PER_LAUNCH_FLAGS:
+            masked.append(word)
+            skip = True
+        elif i > 0 and argv[i - 1] == "backends.inference.serve":
+            masked.append("<model>")  # the positional model directory
+        else:
+            masked.append(word)
+    env = {k: v for k, v in spec.env.items() if k not in _PER_LAUNCH_ENV}
+    return {"argv": masked, "env": env}
+
+
+def model_signature(model_dir: str | Path) -> dict[str, Any]:
+    """The shape of a model as the engines hold it: its config.json without names, dtypes and the
+    tied flag (engines serve a tied model untied)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {k: v for k, v in config.items() if k not in _MODEL_NOISE}
+
+
+def first_difference(pool: dict[str, Any], run: dict[str, Any]) -> str | None:
+    """``"--max-model-len: pool 512, this run 256"``: the first setting that differs, else None."""
+    if pool.get("argv") is not None and run.get("argv") is not None:
+        for flag, a, b in _flag_pairs(pool["argv"], run["argv"]):
+            if a != b:
+                return f"{flag}: pool {a}, this run {b}"
+        keys = sorted(set(pool.get("env", {})) | set(run.get("env", {})))
+        for key in keys:
+            a, b = pool.get("env", {}).get(key), run.get("env", {}).get(key)
+            if a != b:
+                return f"{key}: pool {a}, this run {b}"
+        return None
+    for key in sorted(set(pool) | set(run)):
+        if pool.get(key) != run.get(key):
+            return f"{key}: pool {pool.get(key)}, this run {run.get(key)}"
+    return None
+
+
+def _flag_pairs(a: list[str], b: list[str]) -> list[tuple[str, str | None, str | None]]:
+    """Per option name (``--dtype``), its value in ``a`` and in ``b`` (``"on"`` for a bare flag)."""
+
+    def options(argv: list[str]) -> dict[str, str]:
+        out, i = {}, 0
+        while i < len(argv):
+            if argv[i].startswith("--"):
+                has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+                out[argv[i]] = argv[i + 1] if has_value else "on"
+                i += 2 if has_value else 1
+            else:
+                i += 1
+        return out
+
+    left, right = options(a), options(b)
+    return [(k, left.get(k), right.get(k)) for k in sorted(set(left) | set(right))]

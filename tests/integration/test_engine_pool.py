@@ -1,0 +1,167 @@
+"""Engine pools on the real stack: ``skyrl engines up``, then RL runs one after the other on the same
+engine processes, each on its own initial weights; a second run refused while one holds the pool;
+an engine killed mid-run restarted by the run, detached, and left to the pool.
+
+How a test knows the engines served the run's own model: in a sync run every step is on-policy, so
+the trainer's and the engines' logprobs of the same samples agree (``train/logprob_diff``) only if
+the engines hold the weights the learner starts from. The second run starts from another model
+than the first run ended with (a perturbed copy): engines still serving the first run's weights
+would show a gap of the order of the perturbation's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cli_runs import ENV, SKYRL, events
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+RECIPE = """
+name = "pooltest"
+seed = 1
+
+[model]
+init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128 }
+tokenizer = "char"
+
+[data]
+task = "addition"
+digits = 2
+eval_size = 16
+
+[sft]
+steps = 30
+batch_size = 32
+learning_rate = 3e-3
+warmup_steps = 5
+eval_every = 0
+save_every = 0
+
+[rl]
+init_from = "sft"
+steps = 2
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 4
+eval_every = 0
+save_every = 0
+
+[inference]
+engines = 1
+max_num_seqs = 32
+
+[trainer]
+ranks = 2
+"""
+POOL = "itest"
+
+
+def skyrl(workdir: Path, *args, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**ENV, "SKYRL_POOLS_DIR": str(workdir / "pools")}
+    proc = subprocess.run(
+        [str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=workdir, env=env, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def perturbed_copy(src: Path, dst: Path, scale: float = 0.5) -> Path:
+    """The model at ``src`` with every weight moved by ``scale`` of its own spread: another policy."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(shard)
+        generator = torch.Generator().manual_seed(0)
+        moved = {
+            k: (v + scale * v.float().std().nan_to_num() * torch.randn(v.shape, generator=generator)).to(v.dtype)
+            for k, v in tensors.items()
+        }
+        save_file(moved, shard, metadata={"format": "pt"})
+    return dst
+
+
+def pool_state(workdir: Path) -> dict:
+    return json.loads((workdir / "pools" / POOL / "pool.json").read_text())
+
+
+def engine_pids(workdir: Path) -> list[int]:
+    return [e["pid"] for e in pool_state(workdir)["engines"]]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pool")
+    (root / "recipe.toml").write_text(RECIPE)
+    skyrl(root, "sft", "recipe.toml", "--quiet")
+    perturbed_copy(root / "runs" / "pooltest" / "sft" / "final", root / "other-model")
+    started = time.monotonic()
+    skyrl(root, "engines", "up", "recipe.toml", "--name", POOL)
+    print(f"engines up: {time.monotonic() - started:.1f} s")
+    yield root
+    skyrl(root, "engines", "down", POOL, "--force", check=False)
+
+
+def test_two_runs_one_after_the_other_use_the_same_engines_each_on_its_own_weights(workdir):
+    before = engine_pids(workdir)
+    first = skyrl(workdir, "rl", "recipe.toml", "--run-dir", "r1", "--quiet")
+    assert f"using engine pool {POOL}" in first.stderr
+    second = skyrl(workdir, "rl", "recipe.toml", "--run-dir", "r2", "--quiet", "--set", "rl.init_from=other-model")
+    assert f"using engine pool {POOL}" in second.stderr
+    assert engine_pids(workdir) == before  # no engine was started for either run
+    for run in ("r1", "r2"):
+        summary = json.loads((workdir / run / "summary.json").read_text())
+        assert summary["pool"] == POOL and summary["completed"] is True
+        assert "health" not in summary, summary["health"]  # no sync gap between trainer and engines
+        gap = [v for step, v in events(workdir / run, "train/logprob_diff") if step == 1]
+        assert gap and gap[0] < 0.05, f"{run}: the engines did not serve the run's own initial weights: {gap}"
+    # The runs left no process of theirs behind, and the pool serves on.
+    status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
+    assert status["in_use_by"] is None and all(e["healthy"] for e in status["engines"])
+    assert status["router"]["healthy"]
+
+
+def test_a_second_run_is_refused_while_the_pool_is_in_use(workdir, monkeypatch):
+    from skyrl_cli.engines.pool import get_pool, leased
+
+    monkeypatch.setenv("SKYRL_POOLS_DIR", str(workdir / "pools"))
+    with leased(get_pool(POOL), workdir / "holder-run"):
+        refused = skyrl(workdir, "rl", "recipe.toml", "--run-dir", "r3", "--pool", POOL, check=False, timeout=60)
+        planned = skyrl(workdir, "rl", "recipe.toml", "--dry-run", "--run-dir", "r3", check=False, timeout=60)
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    assert f"engine pool '{POOL}' is in use by the run in {workdir / 'holder-run'}" in line
+    assert not (workdir / "r3" / "events.jsonl").exists()  # refused before anything ran
+    assert planned.returncode == 0 and "in use by" in planned.stderr and "using engine pool" not in planned.stderr
+
+
+def test_an_engine_killed_mid_run_is_restarted_by_the_run_and_stays_in_the_pool(workdir):
+    (old,) = engine_pids(workdir)
+    env = {**ENV, "SKYRL_POOLS_DIR": str(workdir / "pools")}
+    # Long enough (a step takes about a second here) that the kill lands mid-run, not in its last step.
+    argv = [str(SKYRL), "rl", "recipe.toml", "--run-dir", "r4", "--quiet", "--set", "rl.steps=40"]
+    run = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not events(workdir / "r4", "train/policy_loss") and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert run.poll() is None, "the run ended before the engine could be killed"
+    os.killpg(old, signal.SIGKILL)  # the engine and its EngineCore
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    (new,) = engine_pids(workdir)
+    assert new != old and os.path.exists(f"/proc/{new}")  # restarted, and still running after the run
+    assert [v for _, v in events(workdir / "r4", "engine/restarts")], "the run did not record the restart"
+    assert max(step for step, _ in events(workdir / "r4", "train/policy_loss")) == 40
+    status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
+    assert all(e["healthy"] for e in status["engines"])

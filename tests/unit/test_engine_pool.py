@@ -1,0 +1,191 @@
+"""Engine pools without engines: the pool's plan, what a run must match to use one, the state file,
+the lock, and a supervisor that adopts processes it must not tear down."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skyrl_cli.engines.pool import Pool, PoolProcess, choose_pool, fit_problem, leased, list_pools
+from skyrl_cli.launch.supervisor import Supervisor, pid_alive
+from skyrl_cli.plan.build import build_plan
+from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.model import PoolAttachment, ProcessSpec
+from skyrl_cli.plan.pool import engine_signature, first_difference, model_signature, plan_pool
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.schema import Recipe
+
+CPU2 = MachineFacts(cpu_cores=(0, 1), port_finder=lambda n: list(range(20000, 20000 + n)))
+
+
+def write_model(path: Path, **config) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    base = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 40,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps({**base, **config}))
+    return path
+
+
+def recipe(init_from: Path, **inference) -> Recipe:
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"init": {}, "tokenizer": "char"},
+            "data": {"task": "addition"},
+            "rl": {"init_from": str(init_from)},
+            "inference": {"engines": 1, **inference},
+        }
+    )
+
+
+def pool_from(plan, path: Path, model: Path, alive_pid: int) -> Pool:
+    engines = [p for p in plan.processes if p.role == "engine"]
+    (router,) = [p for p in plan.processes if p.role == "router"]
+    return Pool(
+        name=path.name,
+        path=path,
+        recipe="t",
+        created_at=time.time(),
+        async_mode=plan.async_mode,
+        weight_sync=plan.weight_sync,
+        served_model=str(model),
+        model_signature=model_signature(model),
+        engines=[PoolProcess(e, alive_pid, "log") for e in engines],
+        router=PoolProcess(router, alive_pid, "log"),
+        router_url=plan.router_url,
+    )
+
+
+def test_a_pool_plan_is_the_rl_plans_inference_half_detached(tmp_path):
+    model = write_model(tmp_path / "m")
+    r = recipe(model)
+    pool_plan = plan_pool(r, tmp_path / "pool", CPU2)
+    roles = [p.role for p in pool_plan.processes]
+    assert roles == ["setup", "engine", "router"] and pool_plan.stage == "pool"
+    (engine,) = [p for p in pool_plan.processes if p.role == "engine"]
+    assert "SKYRL_DIE_WITH_PARENT" not in engine.env
+    run_plan = build_plan(r, "rl", tmp_path / "run", machine=CPU2)
+    (own,) = [p for p in run_plan.processes if p.role == "engine"]
+    assert engine_signature(engine) == engine_signature(own)  # ports, seed, model dir, core differ
+
+
+def test_a_run_on_a_pool_starts_no_engines_and_talks_to_the_pools(tmp_path):
+    model = write_model(tmp_path / "m")
+    attachment = PoolAttachment(name="p", engine_urls=("http://127.0.0.1:9001",), router_url="http://127.0.0.1:9000")
+    plan = build_plan(recipe(model), "rl", tmp_path / "run", machine=CPU2, pool=attachment)
+    assert [p.role for p in plan.processes] == ["setup", "orchestrator", "trainer"]
+    assert plan.pool == "p" and plan.router_url == "http://127.0.0.1:9000"
+    (orchestrator,) = [p for p in plan.processes if p.role == "orchestrator"]
+    argv = list(orchestrator.argv)
+    assert argv[argv.index("--router-url") + 1] == "http://127.0.0.1:9000"
+    assert argv[argv.index("--engine-urls") + 1] == "http://127.0.0.1:9001"
+
+
+def test_first_difference_names_the_setting():
+    a = {"argv": ["serve", "--max-model-len", "512", "--enforce-eager"], "env": {"X": "1"}}
+    assert first_difference(a, a) is None
+    b = {"argv": ["serve", "--max-model-len", "256", "--enforce-eager"], "env": {"X": "1"}}
+    assert first_difference(a, b) == "--max-model-len: pool 512, this run 256"
+    c = {"argv": ["serve", "--max-model-len", "512"], "env": {"X": "1"}}
+    assert first_difference(a, c) == "--enforce-eager: pool on, this run None"
+    assert first_difference({"hidden_size": 64}, {"hidden_size": 128}) == "hidden_size: pool 64, this run 128"
+
+
+def test_what_keeps_a_run_off_a_pool(tmp_path):
+    model = write_model(tmp_path / "m")
+    pool = pool_from(plan_pool(recipe(model), tmp_path / "pool", CPU2), tmp_path / "pool", model, os.getpid())
+
+    def why(r: Recipe, init: Path = model, async_mode: bool = False) -> str | None:
+        plan = build_plan(r, "rl", tmp_path / "run", machine=CPU2, async_mode=async_mode)
+        return fit_problem(pool, plan, r.inference.engines, init)
+
+    assert why(recipe(model)) is None
+    assert (
+        why(recipe(model, max_model_len=256))
+        == "engines started with other settings (--max-model-len: pool 512, this run 256)"
+    )
+    assert why(recipe(model, engines=2)) == "inference.engines: pool 1, this run 2"
+    assert why(recipe(model), async_mode=True).startswith("its engines are set up for sync runs")
+    wider = write_model(tmp_path / "wide", hidden_size=128)
+    assert why(recipe(wider), wider) == "another model shape (hidden_size: pool 64, this run 128)"
+    other_run_same_shape = write_model(tmp_path / "other", torch_dtype="bfloat16", _name_or_path="x")
+    assert why(recipe(other_run_same_shape), other_run_same_shape) is None  # its own weights get loaded
+    assert why(recipe(model, weight_sync="disk"), tmp_path / "not-yet") is None  # SFT writes it later
+    pool.engines[0].pid = pool.router.pid = 2**22 + 12345  # nothing runs there
+    assert why(recipe(model)).startswith("its processes have all exited")
+
+
+def test_pools_are_listed_from_their_state_files_and_chosen_by_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKYRL_POOLS_DIR", str(tmp_path / "pools"))
+    model = write_model(tmp_path / "m")
+    for name, max_len in (("short", 256), ("fits", 512)):
+        path = tmp_path / "pools" / name
+        path.mkdir(parents=True)
+        pool_from(plan_pool(recipe(model, max_model_len=max_len), path, CPU2), path, model, os.getpid()).write()
+    assert [p.name for p in list_pools()] == ["fits", "short"]
+    run_plan = build_plan(recipe(model), "rl", tmp_path / "run", machine=CPU2)
+    chosen, reasons = choose_pool("auto", run_plan, 1, model)
+    assert chosen.name == "fits" and reasons == []
+    assert choose_pool("none", run_plan, 1, model) == (None, [])
+    with pytest.raises(UsageError, match="--pool short: the pool does not fit this run: engines started"):
+        choose_pool("short", run_plan, 1, model)
+    with pytest.raises(UsageError, match="no engine pool named 'nope'"):
+        choose_pool("nope", run_plan, 1, model)
+    with leased(Pool.read(tmp_path / "pools" / "fits"), tmp_path / "busy-run"):
+        chosen, reasons = choose_pool("auto", run_plan, 1, model)
+    assert chosen is None and reasons[0] == f"pool fits: in use by the run in {tmp_path / 'busy-run'}"
+
+
+def test_the_lease_refuses_a_second_holder_and_frees_on_exit(tmp_path):
+    path = tmp_path / "p"
+    path.mkdir()
+    model = write_model(tmp_path / "m")
+    pool = pool_from(plan_pool(recipe(model), path, CPU2), path, model, os.getpid())
+    pool.write()
+    with leased(pool, tmp_path / "run-a"):
+        assert pool.holder()["run_dir"] == str(tmp_path / "run-a")
+        with pytest.raises(UsageError) as info:
+            with leased(Pool.read(path), tmp_path / "run-b"):
+                pass
+        assert str(info.value).startswith(
+            f"engine pool 'p' is in use by the run in {tmp_path / 'run-a'} (pid {os.getpid()})"
+        )
+        assert pool.holder()["run_dir"] == str(tmp_path / "run-a")  # a refused run leaves the record alone
+    assert pool.holder() is None
+    with leased(pool, tmp_path / "run-b"):
+        pass
+
+
+def test_adopted_and_detached_processes_outlive_the_supervisor(tmp_path):
+    sleeper = (sys.executable, "-c", "import time; time.sleep(60)")
+    outside = subprocess.Popen(list(sleeper), start_new_session=True)
+    seen = []
+    try:
+        with Supervisor(tmp_path, on_detached=seen.append) as sup:
+            sup.adopt(ProcessSpec(name="engine-0", role="engine", argv=sleeper), outside.pid, tmp_path / "pool.log")
+            own = sup.start(ProcessSpec(name="job", role="trainer", argv=sleeper, kind="job"))
+            assert sup.poll() == {"engine-0": None, "job": None}
+            restarted = sup.restart("engine-0")  # what the engine recovery does to a dead engine
+            assert restarted.detached and restarted.popen.pid != outside.pid
+            assert restarted.log_path == tmp_path / "pool.log"
+            assert [p.spec.name for p in seen] == ["engine-0"]  # the pool's state file follows it
+        assert not pid_alive(own.popen.pid)  # the run's own process is torn down
+        assert pid_alive(restarted.popen.pid)  # the pool's is not
+        assert outside.wait(timeout=15) is not None  # the restart replaced the adopted one
+    finally:
+        for pid in (outside.pid, *(p.popen.pid for p in seen)):
+            try:
+                os.killpg(pid, 9)
+            except ProcessLookupError:
+                pass
