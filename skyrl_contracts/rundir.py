@@ -191,6 +191,23 @@ class RunDir:
     def orchestrator_state_at(self, step: int) -> Path:
         return self.orchestrator_state / f"step-{step}.json"
 
+    def prune_orchestrator_states(self, keep: int) -> list[Path]:
+        """Remove all but the newest ``keep`` buffer states (one is written per checkpoint; a
+        400-step run kept all 20 while the learner kept its ``keep_last`` checkpoints). Returns
+        what was removed."""
+
+        def step_of(path: Path) -> int:
+            try:
+                return int(path.stem.split("-", 1)[1])
+            except (IndexError, ValueError):
+                return -1
+
+        states = sorted((p for p in self.orchestrator_state.glob("step-*.json") if step_of(p) >= 0), key=step_of)
+        gone = states[:-keep] if keep > 0 else states
+        for path in gone:
+            path.unlink(missing_ok=True)
+        return gone
+
     # ------------------------------------------------------------------ readers
     def read_recipe(self) -> Recipe:
         return Recipe.model_validate_json(self.resolved_recipe.read_text())

@@ -539,6 +539,8 @@ class Orchestrator:
         if not ((every and version % every == 0) or version == self.rl.steps):
             return
         write_json(self.paths.orchestrator_state_at(version), buffer.state_dict(trained_batches=version), indent=None)
+        # One more than the learner's checkpoints: this state may be written before its checkpoint is.
+        self.paths.prune_orchestrator_states(self.rl.keep_last + 1)
 
     async def watch_weights(self, client, sync: EngineSync, evaluation: Evaluation, buffer, first_version: int) -> None:
         """Push every version the learner publishes to the engines, then admit generation on it."""

@@ -66,3 +66,19 @@ def test_every_path_stays_inside_the_run_directory(tmp_path):
     ]
     assert all(p.is_relative_to(run.root) for p in paths)
     assert len(set(paths)) == len(paths)
+
+
+def test_buffer_states_are_pruned_to_the_newest_few(tmp_path):
+    run = RunDir(tmp_path)
+    run.orchestrator_state.mkdir(parents=True)
+    for step in (20, 40, 60, 80, 100, 120):  # what a long run wrote before: one per checkpoint
+        run.orchestrator_state_at(step).write_text("{}")
+    (run.orchestrator_state / "notes.txt").write_text("not a state")
+    gone = run.prune_orchestrator_states(3)
+    assert [p.name for p in gone] == ["step-20.json", "step-40.json", "step-60.json"]
+    assert sorted(p.name for p in run.orchestrator_state.iterdir()) == [
+        "notes.txt",
+        "step-100.json",
+        "step-120.json",
+        "step-80.json",
+    ]
