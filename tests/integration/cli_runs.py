@@ -36,3 +36,16 @@ def events(run_dir: Path, name: str, process: str | None = None) -> list[tuple[i
         for e in iter_events(run_dir / "events.jsonl")
         if e.name == name and (process is None or e.process == process)
     ]
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid``: the supervisor's group leaders (one session each) and the reaper."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found

@@ -5,7 +5,6 @@ process behind and marks summary.json ``completed: false``."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_contracts.rundir import RunDir
-from tests.integration.cli_runs import ENV, SKYRL, events
+from tests.integration.cli_runs import ENV, SKYRL, children, events
 from tests.integration.conftest import wait_groups_gone
 
 pytestmark = pytest.mark.integration
@@ -50,19 +49,6 @@ max_num_seqs = 32
 ranks = 2
 zero_stage = 2
 """
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid``: the supervisor's group leaders (one session each) and the reaper."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
 
 
 def wait_for_training(driver: subprocess.Popen, run: Path, out: Path, timeout_s: float = 420) -> None:

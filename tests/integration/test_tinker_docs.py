@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.docs_blocks import DOCS, REPO, blocks
-from tests.integration.cli_runs import ENV, SKYRL
+from tests.integration.cli_runs import ENV, SKYRL, children
 from tests.integration.conftest import free_ports, wait_groups_gone
 
 pytestmark = pytest.mark.integration
@@ -54,19 +54,6 @@ def checkout(tmp_path) -> Path:
     shutil.copy(REPO / "recipes" / "tinker.toml", tmp_path / "recipes")
     quickstart_model(tmp_path / "runs" / "quickstart" / "sft" / "final")
     return tmp_path
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid``: the supervisor's process-group leaders."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
 
 
 def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
