@@ -16,7 +16,9 @@ import contextlib
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.tinker import (
     routes_checkpoints,
@@ -55,8 +57,32 @@ async def _lifespan(app: FastAPI):
             service.sampler = None
 
 
+def _error(status: int, message: str, headers=None) -> JSONResponse:
+    return JSONResponse({"detail": message, "error": message}, status_code=status, headers=headers)
+
+
 async def _http_error(request: Request, err: HttpError):
-    return JSONResponse({"detail": err.message, "error": err.message}, status_code=err.status)
+    return _error(err.status, err.message)
+
+
+async def _invalid_query(request: Request, err: RequestValidationError):
+    """A path or query parameter of the wrong type: a 400 naming it, in the shape of every other
+    error (FastAPI's own answer is a 422 whose detail is a list)."""
+    first = err.errors()[0] if err.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ())) or "request"
+    return _error(400, f"{where}: {first.get('msg', 'invalid')} ({len(err.errors())} problem(s))")
+
+
+async def _no_route(request: Request, err: StarletteHTTPException):
+    """Starlette's bare "Not Found" / "Method Not Allowed", saying which route was asked for."""
+    path = request.url.path
+    if err.status_code == 404:
+        message = f"no route {path} (this server speaks the tinker API under /api/v1)"
+    elif err.status_code == 405:
+        message = f"{request.method} is not allowed on {path} (allowed: {err.headers.get('Allow', '?')})"
+    else:
+        message = str(err.detail)
+    return _error(err.status_code, message, err.headers)
 
 
 async def _internal_error(request: Request, err: Exception):
@@ -69,6 +95,8 @@ def create_app(service: TinkerService) -> FastAPI:
     app.state.service = service
     app.state.api = ApiContext(service)
     app.add_exception_handler(HttpError, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid_query)
+    app.add_exception_handler(StarletteHTTPException, _no_route)
     app.add_exception_handler(Exception, _internal_error)
     for module in ROUTERS:
         app.include_router(module.router)

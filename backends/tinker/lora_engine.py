@@ -343,13 +343,14 @@ class LoraEngine:
 
     def load(self, model_id: str, ckpt_dir: str | os.PathLike, with_optimizer: bool) -> Adapter:
         """Create (or replace) ``model_id``'s adapter from a PEFT directory written by ``save``."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         ckpt = Path(ckpt_dir)
         try:
             config = json.loads((ckpt / "adapter_config.json").read_text())
             tensors = load_file(str(ckpt / "adapter_model.safetensors"))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, SafetensorError) as err:
             raise EngineError(f"checkpoint {ckpt.name} is unreadable: {err}") from None
         rank = int(config["r"])
         if rank > self.max_rank:
@@ -371,7 +372,10 @@ class LoraEngine:
             opt_file = ckpt / OPTIMIZER_FILE
             if not opt_file.exists():
                 raise EngineError(f"checkpoint {ckpt.name} has no optimizer state (a sampler checkpoint?)")
-            state = torch.load(opt_file, weights_only=False, map_location=self.device)
+            try:
+                state = torch.load(opt_file, weights_only=False, map_location=self.device)
+            except Exception as err:  # a damaged file: pickle, zip and torch errors alike
+                raise EngineError(f"checkpoint {ckpt.name}: its optimizer state is unreadable: {err}") from None
             adapter.steps = int(state.get("steps", 0))
             if state.get("optimizer") is not None:
                 if list(adapter.weights) != state["order"]:

@@ -37,6 +37,10 @@ class Body(BaseModel):
 
 Id = Annotated[str, Field(pattern=ID_RE.pattern)]
 SeqId = Annotated[int, Field(ge=1, le=2**53)]
+# Numbers that become part of an id: bounded so that the id stays within ID_RE's 200 characters.
+IdSeq = Annotated[int, Field(ge=0, le=2**31)]
+TorchSeed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # torch.Generator.manual_seed's range
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class ClientConfigRequest(Body):
@@ -62,7 +66,7 @@ class FinishSessionRequest(Body):
 
 class LoraConfig(Body):
     rank: Annotated[int, Field(ge=1, le=4096)]
-    seed: int | None = None
+    seed: TorchSeed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -74,7 +78,7 @@ class OptimizerConfig(Body):
 
 class CreateModelRequest(Body):
     session_id: Id
-    model_seq_id: Annotated[int, Field(ge=0, le=2**31)]
+    model_seq_id: IdSeq
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
@@ -111,7 +115,7 @@ class SaveWeightsRequest(Body):
 
 
 class SaveWeightsForSamplerRequest(SaveWeightsRequest):
-    sampling_session_seq_id: Annotated[int, Field(ge=0)] | None = None
+    sampling_session_seq_id: IdSeq | None = None
     kind: str | None = None
 
 
@@ -119,7 +123,7 @@ class LoadWeightsRequest(Body):
     model_id: Id | None = None
     seq_id: SeqId | None = None
     session_id: Id | None = None
-    model_seq_id: Annotated[int, Field(ge=0, le=2**31)] | None = None
+    model_seq_id: IdSeq | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str
@@ -129,7 +133,7 @@ class LoadWeightsRequest(Body):
 
 class CreateSamplingSessionRequest(Body):
     session_id: Id
-    sampling_session_seq_id: Annotated[int, Field(ge=0)] = 0
+    sampling_session_seq_id: IdSeq = 0
     base_model: str | None = None
     model_path: str | None = None
 
@@ -145,7 +149,7 @@ class ModelInput(Body):
 
 class SamplingParams(Body):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | list[int] | None = None
     temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
     top_k: int = -1

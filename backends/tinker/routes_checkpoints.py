@@ -17,6 +17,7 @@ from backends.tinker.routes_common import (
 )
 
 router = APIRouter()
+MAX_OFFSET = 2**62
 
 
 def checkpoint_json(row) -> dict:
@@ -53,8 +54,8 @@ def run_json(ctx: ApiContext, row) -> dict:
 @router.get("/api/v1/training_runs")
 async def training_runs(request: Request, ctx: Ctx, limit: int = 20, offset: int = 0):
     who = ctx.owner(request)
-    if not (1 <= limit <= 1000 and offset >= 0):
-        raise HttpError(400, "limit must be in 1..1000 and offset >= 0")
+    if not (1 <= limit <= 1000 and 0 <= offset <= MAX_OFFSET):  # beyond, SQLite's OFFSET overflows
+        raise HttpError(400, f"limit must be in 1..1000 and offset in 0..{MAX_OFFSET}")
     rows = ctx.store.models(who, limit, offset)
     return {
         "training_runs": [run_json(ctx, r) for r in rows],
@@ -83,7 +84,8 @@ async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request,
         P.parse_tinker_path(path)  # the same checks as a path in a request body
     row = ctx.own_checkpoint(who, run_id, kind, name, shown_as=path)
     ctx.store.delete_checkpoint(run_id, kind, name)
-    shutil.rmtree(row["dir"], ignore_errors=True)
+    if ctx.service.checkpoints.inside(row["dir"]):  # never delete through a symlink out of storage
+        shutil.rmtree(row["dir"], ignore_errors=True)
     return {"deleted": path}
 
 

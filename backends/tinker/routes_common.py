@@ -123,6 +123,8 @@ class ApiContext:
             data = json.loads(body or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise HttpError(400, f"body is not valid JSON: {err}") from None
+        except RecursionError:  # not a JSONDecodeError: "[[[[..." a few thousand deep
+            raise HttpError(400, "body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise HttpError(400, "body must be a JSON object")
         try:

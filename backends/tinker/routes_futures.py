@@ -31,14 +31,19 @@ async def _wait_for(ctx: ApiContext, rid: int, fut):
     return ctx.store.future(rid)
 
 
+def _request_id(text: str) -> int:
+    """A future's number: ASCII digits only (``int`` also takes "1_0", " 1" and other scripts'
+    digits, naming another future) and within SQLite's integers (beyond, the lookup overflows)."""
+    if not (text.isascii() and text.isdigit()) or int(text) >= 2**63:
+        raise HttpError(400, f"malformed request_id {text!r} (the decimal number of a future)")
+    return int(text)
+
+
 @router.post("/api/v1/retrieve_future")
 async def retrieve_future(request: Request, ctx: Ctx):
     who = ctx.owner(request)
     req = await ctx.parse(request, P.RetrieveFutureRequest)
-    try:
-        rid = int(req.request_id)
-    except ValueError:
-        raise HttpError(400, f"malformed request_id {req.request_id!r}") from None
+    rid = _request_id(req.request_id)
     fut = ctx.store.future(rid)
     if fut is None or fut.owner != who:
         raise HttpError(404, f"future {req.request_id} not found")

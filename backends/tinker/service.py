@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.tinker import protocol as P
-from backends.tinker.store import Store
+from backends.tinker.store import PENDING, Store
 from backends.tinker.wire import ForwardBackward, encode_forward_backward_output
 from skyrl_contracts.atomic import atomic_dir
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
@@ -128,6 +128,11 @@ class Checkpoints:
         directory.parent.mkdir(parents=True, exist_ok=True)
         return directory
 
+    def inside(self, directory: str | Path) -> bool:
+        """Whether ``directory``, symlinks followed, is under the storage's checkpoints: a row never
+        leads elsewhere, whatever happened to the files since they were saved."""
+        return Path(directory).resolve().is_relative_to((self.storage / "checkpoints").resolve())
+
     def resolve(self, owner: str, path: str) -> Path:
         """The directory of ``tinker://run/kind/name`` if ``owner`` may read it."""
         return Path(self.row(owner, path)["dir"])
@@ -137,6 +142,8 @@ class Checkpoints:
         row = self.store.checkpoint(run_id, kind, name)
         if row is None or row["owner"] != owner:
             raise JobError(f"checkpoint {path} not found")
+        if not self.inside(row["dir"]):
+            raise JobError(f"checkpoint {path} is outside the storage directory (a symlink?): refused")
         if not (Path(row["dir"]) / "adapter_model.safetensors").exists():
             raise JobError(f"checkpoint {path} has lost its files")
         return row
@@ -203,14 +210,7 @@ class JobScheduler(threading.Thread):
                 if self.stopping:
                     return
                 rounds = self._take_round()
-            try:
-                self._execute(rounds)
-            except Exception:  # never kill the thread: every job of the round gets an error
-                log.exception("a scheduler round failed")
-                for job in [j for group in rounds for j in group]:
-                    self.results.finish_error(
-                        job.request_id, "internal error in the LoRA engine (see server log)", "Server"
-                    )
+            self._execute(rounds)
 
     # --------------------------------------------------------------------------- scheduling
 
@@ -273,18 +273,33 @@ class JobScheduler(threading.Thread):
 
     def _execute(self, rounds: list[list[Job]]) -> None:
         for group in rounds:
-            if group[0].kind == "forward_backward":
-                self._forward_backward(group)
-                continue
-            job = group[0]
             try:
-                result = self.handlers[job.kind](job)
-            except (JobError, ValueError) as err:
-                self.results.finish_error(job.request_id, str(err))
-                if job.kind in ("create_model", "load_weights") and job.seq_id == 0:
-                    self.store.set_model_state(job.model_id, "failed")
-                continue
-            self.results.finish_json(job.request_id, result)
+                self._execute_group(group)
+            except Exception:  # never kill the thread: the group's jobs get an error, the others run
+                log.exception("a scheduler round failed")
+                for job in group:
+                    self._fail(job, "internal error in the LoRA engine (see server log)", "Server")
+
+    def _execute_group(self, group: list[Job]) -> None:
+        if group[0].kind == "forward_backward":
+            self._forward_backward(group)
+            return
+        job = group[0]
+        try:
+            result = self.handlers[job.kind](job)
+        except (JobError, ValueError) as err:
+            self._fail(job, str(err))
+            return
+        self.results.finish_json(job.request_id, result)
+
+    def _fail(self, job: Job, message: str, category: str = "User") -> None:
+        """The job's future fails; a model it was creating fails too (else it would hold its
+        adapter slot, 'pending', for ever). A finished future or a live model is left as it is."""
+        if self.store.future(job.request_id).status != PENDING:
+            return
+        self.results.finish_error(job.request_id, message, category)
+        if job.kind in ("create_model", "load_weights") and job.seq_id == 0:
+            self.store.set_model_state(job.model_id, "failed")
 
     def _forward_backward(self, jobs: list[Job]) -> None:
         from backends.tinker.lora_engine import DatumIn, EngineError, WorkItem

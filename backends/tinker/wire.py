@@ -56,13 +56,7 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
     if encoding in ("", "identity"):
         data = body
     elif encoding == "zstd":
-        import zstandard
-
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(body)
-            data = reader.read(max_bytes + 1)
-        except zstandard.ZstdError as err:
-            raise WireError(f"body is not valid zstd: {err}") from None
+        data = _unzstd(body, max_bytes)
     else:
         raise WireError(f"Content-Encoding {encoding!r} is not supported (identity or zstd)", 415)
     if len(data) > max_bytes:
@@ -70,10 +64,49 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
     return data
 
 
+# zstd's densest block (RLE) turns 4 bytes into 128 KiB: feeding the decompressor at most
+# (room left) / ratio compressed bytes at a time keeps each step's output within the room left.
+_ZSTD_MAX_RATIO = 1 << 15
+_ZSTD_MIN_STEP = 64
+_ZSTD_MAX_FRAMES = 1024  # the SDK sends one; millions of empty 9-byte frames would hold the loop for seconds
+
+
+def _unzstd(body: bytes, max_bytes: int) -> bytes:
+    """Every frame of a zstd body, decompressed a step at a time: a bomb is stopped as soon as it
+    passes ``max_bytes`` (not once it has expanded); a cut-off frame or junk after one is an error
+    (``stream_reader`` read only the first frame and took a truncated one as a shorter body)."""
+    import zstandard
+
+    too_big = WireError(f"request body over the limit of {max_bytes} bytes (tinker.max_request_bytes)", 413)
+    dctx = zstandard.ZstdDecompressor()
+    view, pos, parts, size = memoryview(body), 0, [], 0
+    frames = 0
+    while pos < len(view):  # a frame per round: a body may hold several
+        frames += 1
+        if frames > _ZSTD_MAX_FRAMES:
+            raise WireError(f"zstd body of more than {_ZSTD_MAX_FRAMES} frames")
+        frame = dctx.decompressobj()
+        while not frame.eof:
+            if pos >= len(view):
+                raise WireError("zstd body is truncated: its last frame is incomplete")
+            step = view[pos : pos + max(_ZSTD_MIN_STEP, (max_bytes - size) // _ZSTD_MAX_RATIO)]
+            try:
+                data = frame.decompress(step)
+            except zstandard.ZstdError as err:
+                raise WireError(f"body is not valid zstd at byte {pos}: {err}") from None
+            pos += len(step) - len(frame.unused_data)  # the next frame's start, once this one ended
+            size += len(data)
+            if size > max_bytes:
+                raise too_big
+            parts.append(data)
+    return b"".join(parts)
+
+
 _NP = {1: np.float32, 2: np.int64, 3: np.int32}
 
 
-def _tensor(name: str, msg) -> np.ndarray:
+def _tensor(name: str, msg, tokens: int) -> np.ndarray:
+    """A loss input as a 1-D array; its shape is checked before anything is allocated from it."""
     dtype = _NP.get(msg.dtype)
     if dtype is None:
         raise WireError(f"loss_fn_inputs[{name!r}]: dtype {msg.dtype} is not supported (float32 or int64)")
@@ -85,6 +118,8 @@ def _tensor(name: str, msg) -> np.ndarray:
         col = _frombuffer(name, csr.col_indices, np.int64)
         if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
             raise WireError(f"loss_fn_inputs[{name!r}]: malformed sparse tensor")
+        if min(shape) < 0 or shape[0] * shape[1] > max(tokens, 1):  # before allocating it
+            raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} does not fit a datum of {tokens} tokens")
         dense = np.zeros(shape, dtype=dtype)
         for row in range(shape[0]):
             lo, hi = int(crow[row]), int(crow[row + 1])
@@ -95,7 +130,9 @@ def _tensor(name: str, msg) -> np.ndarray:
     else:
         array = _frombuffer(name, msg.dense, dtype)
         if shape:
-            if int(np.prod(shape)) != array.size:
+            # math.prod, not np.prod: int64 wraps around (2**32 x 2**32 "holds" 0 values); and -1
+            # dimensions, which reshape would infer
+            if min(shape) < 0 or math.prod(shape) != array.size:
                 raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} does not match {array.size} values")
             array = array.reshape(shape)
     if array.ndim == 2 and array.shape[0] == 1:  # a sparse row vector
@@ -138,6 +175,9 @@ def decode_forward_backward(
     for key, value in msg.loss_fn_config_v2.items():
         which = value.WhichOneof("value")
         config[key] = value.text if which == "text" else float(value.number)
+    for key, value in config.items():  # a NaN clip bound makes every loss and gradient NaN
+        if isinstance(value, float) and not math.isfinite(value):
+            raise WireError(f"loss_fn_config[{key!r}] is {value}: it must be a finite number")
     data = []
     for index, datum in enumerate(msg.data):
         tokens: list[int] = []
@@ -154,7 +194,7 @@ def decode_forward_backward(
             raise WireError(f"datum {index}: token ids must be in 0..{vocab_size - 1}")
         inputs = {}
         for name, tensor in datum.loss_fn_inputs.items():
-            array = _tensor(name, tensor)
+            array = _tensor(name, tensor, len(tokens))
             if len(array) != len(tokens):
                 raise WireError(
                     f"datum {index}: loss_fn_inputs[{name!r}] has {len(array)} entries for {len(tokens)} input tokens"
