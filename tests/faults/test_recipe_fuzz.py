@@ -79,7 +79,7 @@ def _localized(data: dict) -> dict:
         for key in path[:-1]:
             table = table.get(key) if isinstance(table, dict) else None
         value = str(table.get(path[-1], "")) if isinstance(table, dict) else ""
-        if value.startswith("~") or "runs/" in value:
+        if value.startswith(("~", "run:")) or "runs/" in value:
             data = _set(data, path, local)
     return data
 
