@@ -193,7 +193,7 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
                 if proc.detached:
                     supervisor.stop(proc.spec.name, grace_s=5.0)
             raise
-    served = [p for p in plan.processes if p.role == "engine"][0].argv
+    served = engines[0].argv
     pool = Pool(
         name=name,
         path=path,
@@ -333,8 +333,9 @@ def choose_pool(
     reasons = []
     for pool in list_pools():
         why = fit_problem(pool, run_plan, engines_needed, init_model)
-        if why is None and pool.holder() is not None:
-            why = f"in use by the run in {pool.holder().get('run_dir')}"
+        holder = pool.holder() if why is None else None
+        if holder is not None:
+            why = f"in use by the run in {holder.get('run_dir')}"
         if why is None:
             return pool, reasons
         reasons.append(f"pool {pool.name}: {why}")
@@ -404,7 +405,9 @@ def health(url: str, path: str = "/health") -> bool:
 
 
 def served_version(url: str) -> str | None:
+    from backends.inference.weight_sync import engine_weight_version, run_blocking
+
     try:
-        return str(httpx.get(f"{url}/weight_info", timeout=2.0).json().get("weight_version"))
-    except (httpx.HTTPError, ValueError):
+        return run_blocking(engine_weight_version(url))
+    except (httpx.HTTPError, ValueError, KeyError):
         return None

@@ -142,9 +142,10 @@ def headline_rows(summary: Mapping[str, Any], run_dir: str | os.PathLike | None 
 def shown_path(path: str | os.PathLike) -> str:
     """``path`` relative to the working directory when it is below it (shorter in a terminal)."""
     try:
-        return os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+        relative = os.path.relpath(path)
     except ValueError:
         return str(path)
+    return str(path) if relative.startswith("..") else relative
 
 
 def headline_table(summary: Mapping[str, Any], run_dir: str | os.PathLike | None = None):

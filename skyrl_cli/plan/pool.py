@@ -22,14 +22,12 @@ from typing import Any
 from skyrl_cli.plan.inference import engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
-from skyrl_cli.plan.rl import engine_model_setup, inference_machine, init_model_dir
+from skyrl_cli.plan.rl import engine_model_setup, inference_machine, init_model_dir, rl_weight_sync
 from skyrl_cli.plan.trainer import trainer_device
-from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 
 POOL_STAGE = "pool"
-POOL_WEIGHT_SYNCS = ("disk", "lora")
 # Engine settings that differ between two plans of the same engines: where they listen, their
 # sampling seed, the model directory they boot from, the core they are pinned to, and whether they
 # die with the command that started them (a pool's do not).
@@ -37,11 +35,6 @@ _PER_LAUNCH_FLAGS = ("--port", "--seed")
 _PER_LAUNCH_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "SKYRL_DIE_WITH_PARENT")
 # config.json keys that do not change what weights the engines hold.
 _MODEL_NOISE = ("_name_or_path", "torch_dtype", "dtype", "transformers_version", "tie_word_embeddings")
-
-
-def pool_weight_sync(recipe: Recipe, machine: MachineFacts) -> str:
-    device = trainer_device(recipe, machine)
-    return select_weight_sync(recipe, device, device == "cuda" and vllm_weight_transfer_available())
 
 
 def unpoolable(weight_sync: str) -> str | None:
@@ -62,7 +55,7 @@ def plan_pool(recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode:
         raise UsageError("skyrl engines up: the recipe has no [rl] section (a pool serves RL runs)")
     if recipe.inference.engines == 0:
         raise UsageError("inference.engines = 0: a pool needs local engines (inference.urls are started elsewhere)")
-    weight_sync = pool_weight_sync(recipe, machine)
+    weight_sync = rl_weight_sync(recipe, machine)
     why = unpoolable(weight_sync)
     if why:
         raise UsageError(f"skyrl engines up: {why}")

@@ -122,6 +122,12 @@ def engine_model_setup(
     return (ProcessSpec(name=ENGINE_MODEL_JOB, role="setup", argv=argv, env=env, kind="setup"),), served
 
 
+def rl_weight_sync(recipe: Recipe, machine: MachineFacts) -> str:
+    """How this recipe's policy versions reach its engines on ``machine`` (``select_weight_sync``)."""
+    device = trainer_device(recipe, machine)
+    return select_weight_sync(recipe, device, device == "cuda" and vllm_weight_transfer_available())
+
+
 def plan_rl(
     recipe: Recipe,
     run_dir: Path,
@@ -146,7 +152,7 @@ def plan_rl(
     init_from = init_model_dir(recipe)
     device = trainer_device(recipe, machine)
     inf_machine = inference_machine(recipe, machine, device)
-    weight_sync = select_weight_sync(recipe, device, device == "cuda" and vllm_weight_transfer_available())
+    weight_sync = rl_weight_sync(recipe, machine)
     ports = machine.free_ports(inf.engines + 4)
     engine_ports, (router_port, prometheus_port, rdzv_port, nccl_port) = ports[: inf.engines], ports[inf.engines :]
     router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one

@@ -114,7 +114,7 @@ def table_markdown(name: str, model: type[BaseModel]) -> str:
 
 def _anchor(table: str) -> str:
     """The id MkDocs' toc extension gives the heading ``## `[table]` ``."""
-    return table.replace(".", "").replace("_", "_").lower()
+    return table.replace(".", "").lower()
 
 
 def markdown_reference() -> str:

@@ -15,10 +15,18 @@ ENV = {
 }
 
 
-def run_skyrl(*args, cwd: Path = REPO, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``skyrl ARGS`` as a user runs it; raises with its output when it fails (``check``)."""
+def run_skyrl(
+    *args, cwd: Path = REPO, check: bool = True, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``skyrl ARGS`` as a user runs it (``env`` added to its environment); raises with its output
+    when it fails (``check``)."""
     proc = subprocess.run(
-        [str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=timeout
+        [str(SKYRL), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**ENV, **(env or {})},
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_runs import ENV, SKYRL, events
+from tests.integration.cli_runs import ENV, SKYRL, events, run_skyrl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -66,13 +66,7 @@ POOL = "itest"
 
 
 def skyrl(workdir: Path, *args, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**ENV, "SKYRL_POOLS_DIR": str(workdir / "pools")}
-    proc = subprocess.run(
-        [str(SKYRL), *map(str, args)], capture_output=True, text=True, cwd=workdir, env=env, timeout=timeout
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"skyrl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return proc
+    return run_skyrl(*args, cwd=workdir, check=check, timeout=timeout, env={"SKYRL_POOLS_DIR": str(workdir / "pools")})
 
 
 def perturbed_copy(src: Path, dst: Path, scale: float = 0.5) -> Path:

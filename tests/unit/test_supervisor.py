@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.launch.supervisor import Supervisor
+from skyrl_cli.launch.supervisor import Supervisor, pid_alive
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_contracts.errors import LaunchError
 
@@ -25,19 +25,6 @@ PARENT_WITH_CHILD = textwrap.dedent(
     time.sleep(600)
     """
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); read its state.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _wait_for_file(path: Path, timeout: float = 10.0) -> str:
@@ -60,10 +47,10 @@ def test_shutdown_kills_children_of_children(tmp_path):
     with Supervisor(tmp_path) as sup:
         proc = sup.start(_service("svc", "-c", PARENT_WITH_CHILD, str(pid_file)))
         child_pid = int(_wait_for_file(pid_file))
-        assert _alive(proc.popen.pid) and _alive(child_pid)
-    assert not _alive(proc.popen.pid)
+        assert pid_alive(proc.popen.pid) and pid_alive(child_pid)
+    assert not pid_alive(proc.popen.pid)
     time.sleep(0.2)
-    assert not _alive(child_pid)
+    assert not pid_alive(child_pid)
 
 
 def test_job_exit_code_and_log(tmp_path):
@@ -141,12 +128,12 @@ def test_driver_killed_with_sigkill_takes_its_processes_along(tmp_path):
     drv.send_signal(signal.SIGKILL)
     drv.wait()
     deadline = time.monotonic() + 15
-    while _alive(child_pid) and time.monotonic() < deadline:
+    while pid_alive(child_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     # The grandchild ignores its parent's death; only the reaper's killpg reaches it.
-    assert not _alive(child_pid)
+    assert not pid_alive(child_pid)
     leader_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(int(p), str(pid_file))]
-    assert not [p for p in leader_pids if _alive(p)]
+    assert not [p for p in leader_pids if pid_alive(p)]
 
 
 def _cmdline_has(pid: int, needle: str) -> bool:
