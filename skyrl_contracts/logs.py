@@ -16,3 +16,50 @@ def setup_process_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=FORMAT)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class StartupClock:
+    """Where a launched process's start-up goes, as laps from the moment the process was created
+    (so the interpreter and the module-level imports count too, which timing from ``main`` would
+    miss). ``line`` is the one log line a reader sees ("learner ready in 23.9 s: imports 12.1 s,
+    ..."); ``figures`` the same laps as ``startup/<process>/<lap>_s`` metrics for events.jsonl."""
+
+    def __init__(self, process: str):
+        import time
+
+        self.process = process
+        self.origin = process_created_at()
+        self.last = self.origin
+        self.laps: list[tuple[str, float]] = []
+        self._now = time.time
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.laps.append((name, now - self.last))
+        self.last = now
+
+    @property
+    def total_s(self) -> float:
+        return self.last - self.origin
+
+    def line(self, what: str) -> str:
+        laps = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.laps)
+        return f"{what} in {self.total_s:.1f} s ({laps})"
+
+    def figures(self) -> dict[str, float]:
+        out = {f"startup/{self.process}/{name.replace(' ', '_')}_s": round(s, 3) for name, s in self.laps}
+        out[f"startup/{self.process}_s"] = round(self.total_s, 3)
+        return out
+
+
+def process_created_at() -> float:
+    """This process's creation time (epoch seconds) from Linux's ``/proc``; elsewhere, now."""
+    import os
+    import time
+
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()

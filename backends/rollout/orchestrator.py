@@ -39,7 +39,7 @@ from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.events import EventWriter
-from skyrl_contracts.logs import setup_process_logging
+from skyrl_contracts.logs import StartupClock, setup_process_logging
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
 
@@ -502,8 +502,11 @@ class Orchestrator:
         exchange,
         events,
         async_mode: bool,
+        resume: bool = True,
     ):
-        """``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
+        """``resume``: the learner may restart from a checkpoint, so the first version is the one it
+        publishes; a fresh run (False) starts on version 0 at once (``first_version``).
+        ``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
         router); ``engines``: the plan's ``EngineWeightLoader`` (admin calls to every engine);
         ``exchange``: the ``RunExchange`` with the learner; ``events``: an ``EventWriter``;
         ``rows``: (train, eval). The recipe's environment (or reward) is imported here, so that user
@@ -519,6 +522,8 @@ class Orchestrator:
         self.train_rows, self.eval_rows = list(rows[0]), list(rows[1])
         self.open_client, self.engines, self.exchange, self.events = open_client, engines, exchange, events
         self.paths: RunDir = exchange.paths
+        self.resume = resume
+        self.startup = None  # main's StartupClock (skyrl_contracts.logs): where the start-up went
 
     def restore_buffer(self, first_version: int):
         from backends.rollout.buffer import AsyncGroupBuffer, PromptSampler
@@ -579,10 +584,24 @@ class Orchestrator:
         rollouts.use_agent(self.agent, server)
         return server
 
+    async def first_version(self, timeout_s: float) -> int:
+        """The version the run starts from. A fresh run whose engines started on the initial policy
+        starts on 0 at once: the initial evaluation and the first batch's generation then overlap
+        the learner's start-up (its imports, DeepSpeed's set-up), which is most of a run's start-up
+        on engines that are already up (an engine pool). Otherwise the learner's first publication
+        says it: a resumed checkpoint's step, or LoRA's v0 adapter the engines must load."""
+        if not self.resume and not self.engines.loads_initial_version:
+            return 0
+        await asyncio.to_thread(self.exchange.wait_version, 0, timeout_s)
+        return self.exchange.latest_version()
+
+    def lap(self, name: str) -> None:
+        if self.startup is not None:
+            self.startup.lap(name)
+
     async def run(self, first_version_timeout_s: float = 1800) -> None:
-        # The learner publishes the policy it starts from (v0, or the resumed checkpoint's step).
-        await asyncio.to_thread(self.exchange.wait_version, 0, first_version_timeout_s)
-        first_version = self.exchange.latest_version()
+        first_version = await self.first_version(first_version_timeout_s)
+        self.lap("first version")
         self.events.log(first_version, {"progress/total_steps": self.rl.steps})
         buffer = self.restore_buffer(first_version)
         async with self.open_client() as client:
@@ -594,7 +613,12 @@ class Orchestrator:
             sync = EngineSync(self.engines, self.exchange, self.events)
             feed = TrainerFeed(self.recipe, self.exchange, self.events, rollouts.window)
             client.model = await sync.start(first_version, client.in_flight)
+            self.lap(f"v{first_version} on the engines")
             await evaluation.evaluate(first_version)
+            self.lap("initial evaluation")
+            if self.startup is not None:
+                log.info("%s", self.startup.line("orchestrator ready"))
+                self.events.log(first_version, self.startup.figures())
             n_workers = max(1, self.recipe.inference.max_concurrency // self.rl.samples_per_prompt)
             workers = [asyncio.create_task(rollouts.worker(buffer)) for _ in range(n_workers)]
             watcher = asyncio.create_task(self.watch_weights(client, sync, evaluation, buffer, first_version))
@@ -631,6 +655,7 @@ def build_orchestrator(
     engine_urls: Sequence[str],
     async_mode: bool,
     weight_sync: str = "disk",
+    resume: bool = True,
 ) -> Orchestrator:
     """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner;
     ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``)."""
@@ -649,6 +674,7 @@ def build_orchestrator(
         exchange=RunExchange(run_dir),
         events=EventWriter(paths.events, PROCESS_NAME),
         async_mode=async_mode,
+        resume=resume,
     )
     report_user_code(recipe.rl.agent or recipe.rl.environment or recipe.rl.reward)  # imported above
     return orchestrator
@@ -682,6 +708,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
     parser.add_argument("--async", dest="async_mode", action="store_true")
     parser.add_argument(
+        "--fresh", action="store_true", help="the run starts at version 0 (not --resume): no wait for the learner's v0"
+    )
+    parser.add_argument(
         "--weight-sync", choices=("nccl", "disk", "lora", "int4"), default="disk", help="the plan's transport"
     )
     parser.add_argument(
@@ -693,10 +722,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sys.path[:0] = [p for p in args.import_path if p not in sys.path]
     setup_process_logging()
+    startup = StartupClock(PROCESS_NAME)
+    startup.lap("imports")
     urls = [u for u in args.engine_urls.split(",") if u]
     orchestrator = build_orchestrator(
-        args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode, args.weight_sync
+        args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode, args.weight_sync, not args.fresh
     )
+    startup.lap("recipe, data and tokenizer")
+    orchestrator.startup = startup
     try:
         asyncio.run(orchestrator.run())
     except StopRequested as stop:

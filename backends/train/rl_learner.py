@@ -68,6 +68,9 @@ class Learner:
         nccl: NcclTarget | None = None,
         engine_dtype: str = "bfloat16",
     ):
+        from skyrl_contracts.logs import StartupClock
+
+        self.startup = StartupClock("learner")
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -84,7 +87,9 @@ class Learner:
         self.rl = rl = recipe.rl
         self.updates = rl.epochs * rl.mini_batches
         trainer = recipe.trainer
+        self.startup.lap("imports")
         self.dist = init_distributed(trainer.device)
+        self.startup.lap("distributed")
         self.events = open_events(run_dir, self.dist)
         self.exchange = RunExchange(run_dir)
         self.tokenizer = load_tokenizer(str(init_from))
@@ -109,6 +114,7 @@ class Learner:
             )
             self.reference = reference.to(self.dist.device).eval()
             self.reference.requires_grad_(False)
+        self.startup.lap("model")
         self.engine, self.scheduler = make_engine(
             model,
             lr=rl.learning_rate,
@@ -123,6 +129,7 @@ class Learner:
         merge = self.lora is None or self.lora.merge_final
         self.export = HFExporter(self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge)
         self.step_fn = RLStep(rl, self.engine, self.dist, self.pad_id, self.reference)
+        self.startup.lap("deepspeed engine")
         self.start_step = self._restore() if resume else 0
         quant = recipe.quantization
         floor = sync_gap_floor(engine_dtype, weight_sync == "int4" and not quant.int4_qat)
@@ -224,9 +231,15 @@ class Learner:
             tdist.barrier()  # every rank reads LATEST before anyone publishes: all take the same branch
         if self.exchange.latest_version() != self.start_step:
             self.publish(self.start_step)  # the orchestrator's starting point (also after a resume)
+        self.startup.lap(f"publish v{self.start_step}")
         self.say(
-            f"learner ready: world {self.dist.world_size}, ZeRO-{self.recipe.trainer.zero_stage}, from step {self.start_step}"
+            self.startup.line(
+                f"learner ready: world {self.dist.world_size}, ZeRO-{self.recipe.trainer.zero_stage}, "
+                f"from step {self.start_step}"
+            )
         )
+        if self.events:
+            self.events.log(self.start_step, self.startup.figures())
         for step in range(self.start_step, rl.steps):
             t0 = time.perf_counter()
             batch = self.exchange.read_batch(step, timeout_s=BATCH_TIMEOUT_S)

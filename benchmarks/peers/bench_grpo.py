@@ -20,6 +20,9 @@ medians its processes log (train, weight publish / sync, evaluation, waiting). R
     python benchmarks/peers/bench_grpo.py --reps 2 --steps 12 --trl-threads 1   # RESULTS.md (~14 min + the SFT once)
     python benchmarks/peers/bench_grpo.py --quick          # 1 repetition of 6 steps
     python benchmarks/peers/bench_grpo.py --sft-model runs/quickstart/sft/final --reps 3
+    python benchmarks/peers/bench_grpo.py --no-sft --steps 4 --sides skyrl-sync skyrl-async trl \
+        --set model.init.hidden_size=576 --set model.init.layers=10 --set model.init.heads=9 \
+        --set model.init.intermediate_size=2304 --set rl.max_new_tokens=48 --set data.eval_size=64   # cold, 50M
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ def parse_args(argv=None):
         help="an SFT output of the shared initial model (default: run skyrl sft once)",
     )
     p.add_argument(
+        "--no-sft",
+        action="store_true",
+        help="start RL from the shared initial model itself (random init: for the larger --set model.init "
+        "sizes, where SFT would take hours on CPU; compare the same steps and samples, not a gain)",
+    )
+    p.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override (both sides)"
     )
     p.add_argument("--trl-threads", type=int, default=None, help="torch threads of the TRL process (default: torch's)")
@@ -77,9 +86,11 @@ def parse_args(argv=None):
     return args
 
 
-def sft_model(args, recipe_file: Path, work: Path) -> Path:
+def sft_model(args, recipe_file: Path, work: Path, initial: Path) -> Path:
     if args.sft_model:
         return args.sft_model.resolve()
+    if args.no_sft:
+        return initial
     run_dir = work / "sft"
     if not (run_dir / "final" / "config.json").exists():
         print("training the shared SFT checkpoint once (skyrl sft) ...", flush=True)
@@ -207,8 +218,10 @@ def ratio_lines(rows: list[dict], gain: float) -> list[str]:
 
 def setup(args):
     work = args.work or Path(tempfile.mkdtemp(prefix="peers-grpo-"))
-    recipe, recipe_file, paths = prepare(work, args.sets)
-    init_from = sft_model(args, recipe_file, work)
+    init_sets = [s for s in args.sets if s.startswith("model.init.")]  # the initial model's shape
+    args.sets = [s for s in args.sets if s not in init_sets]
+    recipe, recipe_file, paths = prepare(work, args.sets, init_sets)
+    init_from = sft_model(args, recipe_file, work, Path(paths["model_dir"]))
     sets = [
         *args.sets,
         f"rl.init_from={init_from}",

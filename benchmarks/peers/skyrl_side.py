@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from common import PEERS_VENV, RECIPE, REPO, TreeSampler, derived_recipe_text, first_reaching
 
@@ -55,14 +56,16 @@ def export_rows(recipe, work: Path) -> dict:
     }
 
 
-def prepare(work: Path, sets: list[str]) -> tuple[object, Path, dict]:
-    """(resolved recipe, recipe file, paths) of the work folder, built once and reused."""
+def prepare(work: Path, sets: list[str], init_sets: Sequence[str] = ()) -> tuple[object, Path, dict]:
+    """(resolved recipe, recipe file, paths) of the work folder, built once and reused.
+    ``init_sets``: ``model.init.*`` overrides of the initial model's shape (only the model is built
+    with them: the derived recipe loads it by ``model.path``)."""
     from skyrl_cli.recipe.loader import load_recipe
 
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model-init"
     if not (model_dir / "config.json").exists():
-        build_initial_model(RECIPE, model_dir, sets)
+        build_initial_model(RECIPE, model_dir, [*sets, *init_sets])
     recipe_file = work / "recipe.toml"
     recipe_file.write_text(derived_recipe_text(RECIPE.read_text(), str(model_dir)))
     recipe = load_recipe(recipe_file, sets)

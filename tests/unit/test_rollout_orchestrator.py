@@ -208,6 +208,40 @@ def test_the_orchestrator_feeds_every_step_and_loads_every_version(tmp_path, asy
     assert opened <= set(client.finished)
 
 
+def test_a_fresh_run_evaluates_and_generates_before_the_learner_is_up(tmp_path):
+    """``resume=False`` with engines that started on the initial policy: the initial evaluation
+    and the first batch are done while no version is published yet (the learner still starting);
+    the learner's v0, published later, is not loaded again, and the run goes on as usual."""
+    orchestrator, client, engines, events, exchange = _orchestrator(tmp_path, async_mode=False)
+    orchestrator.resume = False
+    batches: list[dict] = []
+
+    def late_learner():
+        exchange.read_batch(0, timeout_s=30)  # the first batch exists before anything is published
+        assert exchange.latest_version() is None
+        _learner(exchange, 3, batches)
+
+    learner = threading.Thread(target=late_learner, daemon=True)
+    learner.start()
+    asyncio.run(asyncio.wait_for(orchestrator.run(first_version_timeout_s=30), timeout=60))
+    learner.join(timeout=30)
+
+    assert [b["step"] for b in batches] == [0, 1, 2]
+    assert [v for v, _ in engines.loads] == [1, 2, 3]  # v0: the engines' own weights, labelled
+    assert events[0] == (0, {"progress/total_steps": 3})
+    assert [s for s, m in events if "eval/accuracy" in m][0] == 0
+
+
+def test_a_resumed_or_lora_run_waits_for_the_learner_first_version(tmp_path):
+    orchestrator, _, engines, _, _ = _orchestrator(tmp_path, async_mode=False)
+    for resume, loads_initial in ((True, False), (False, True)):
+        orchestrator.resume, engines.loads_initial_version = resume, loads_initial
+        with pytest.raises(TimeoutError):
+            asyncio.run(orchestrator.first_version(timeout_s=0.2))
+    orchestrator.resume, engines.loads_initial_version = False, False
+    assert asyncio.run(orchestrator.first_version(timeout_s=0.2)) == 0
+
+
 class AdapterClient(RecordingClient):
     """Samples with the adapter its requests name (the client's ``model`` at request time), and
     counts requests in flight per name like ``RolloutClient``."""
