@@ -56,6 +56,11 @@ RSS_MARGIN_BYTES = 64 * 2**20  # ... plus this much (allocator and SQLite caches
 FILES_MARGIN = 8  # open files other than sockets: SQLite's three, logs, the odd checkpoint being written
 SOCKETS_PER_CLIENT = 8  # the SDK's connection pools (training, sampling, session, futures)
 RTOL = 1e-3  # a replay's losses (a pass batched with other adapters is not bit-identical)
+# A replay compares a client's first REPLAY_OPTIM_STEPS optimizer steps: a pass batched with other
+# adapters differs from a lone one in the last bits, and the optimizer amplifies that over steps
+# (6.6e-3 relative after ~120 ops on a 2-core Intel Xeon with AMX, past any fixed tolerance that
+# would still catch a request run out of order, which shows at once, not after a hundred steps).
+REPLAY_OPTIM_STEPS = 30
 UNLOAD_SEQ = 2**62  # backends.tinker.routes_common.UNLOAD_SEQ, without importing the server here
 # What a request caught by the kill may end in: each says what happened.
 CLEAR_ERRORS = (
@@ -562,21 +567,26 @@ def check_checkpoints(
 
 
 def replay(server: Server, rec: ClientRecord, seed: int) -> list[str]:
-    """The client's first model's requests again, alone on a fresh model of the same seed: the
-    same losses (the requests ran in seq_id order, whatever else the server was doing)."""
+    """The client's first model's requests again (up to ``REPLAY_OPTIM_STEPS`` optimizer steps),
+    alone on a fresh model of the same seed: the same losses (the requests ran in seq_id order,
+    whatever else the server was doing)."""
     import tinker
 
     client = LoadClient(rec.index, rec.key, server.url, seed, Clock(), threading.Event())
     problems = []
     with tinker.ServiceClient(base_url=server.url, api_key=rec.key) as sc:
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=client.rank_seed).result()
+        optim_steps = 0
         for step, (op, arg, expected) in enumerate(rec.log):
+            if optim_steps >= REPLAY_OPTIM_STEPS:
+                break
             if op == "fb":
                 got = tc.forward_backward([client.datum()], "cross_entropy").result().metrics["loss:sum"]
             elif op == "forward":
                 got = tc.forward([client.datum()], "cross_entropy").result().metrics["loss:sum"]
             elif op == "optim":
                 tc.optim_step(client.adam()).result()
+                optim_steps += 1
                 continue
             else:  # saves: no change to the model
                 continue

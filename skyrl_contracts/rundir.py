@@ -24,6 +24,10 @@ Layout (the machine-readable contract of a run, documented in README.md)::
     control/transfer-v<k>.done    RL, NCCL: v<k> is in the engines, or why not (learner -> orchestrator)
     orchestrator_state/step-<k>.json   RL: the rollout buffer's state at each checkpoint
     report/report.png, report.html     skyrl runs report (default place; written on request)
+    nodes/node-<k>.json           across nodes ([cluster]): node k's marker and heartbeat (launch id,
+                                  recipe hash, phase, its engines' URLs), rewritten every second
+    logs/node-<k>/<process>.log   across nodes: the processes of node k > 0 (node 0's are in logs/)
+    slurm/<stage>.sbatch          the script skyrl sft|rl --slurm wrote and submitted
 
 Every process of a run (the CLI driver and the launched backends) reaches these paths only through
 ``RunDir``: a new file of the contract is added here, once. Every JSON file is written atomically
@@ -82,6 +86,21 @@ class RunDir:
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
+
+    def node_logs(self, node: int) -> Path:
+        """Where node ``node``'s processes log: ``logs/`` on node 0, ``logs/node-<k>/`` on the others."""
+        return self.logs if node == 0 else self.logs / f"node-{node}"
+
+    # ------------------------------------------------------------------ across nodes
+    @property
+    def nodes(self) -> Path:
+        return self.root / "nodes"
+
+    def node_marker(self, node: int) -> Path:
+        return self.nodes / f"node-{node}.json"
+
+    def slurm_script(self, stage: str) -> Path:
+        return self.root / "slurm" / f"{stage}.sbatch"
 
     # ------------------------------------------------------------------ figures
     @property
@@ -312,6 +331,18 @@ def resolve_run_dir(recipe: Recipe, stage: str, run_dir: str | os.PathLike | Non
 def sft_output_dir(recipe: Recipe, root: Path = RUNS_ROOT) -> Path:
     """Where ``rl.init_from = "sft"`` points: the final model of this recipe's SFT stage."""
     return RunDir(default_run_dir(recipe, "sft", root)).final
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """What every node of a run must agree on: the SHA-256 of the resolved recipe (canonical JSON)
+    without ``trainer.node_rank``, the one key that legitimately differs between the nodes of a
+    ``trainer.nnodes`` run (first 16 hex digits)."""
+    import hashlib
+
+    data = recipe_json(recipe)
+    data["trainer"] = {k: v for k, v in data["trainer"].items() if k != "node_rank"}
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def recipe_json(recipe: Recipe) -> dict[str, Any]:

@@ -397,6 +397,83 @@ class TrainerConfig(Section):
         return self
 
 
+# ------------------------------------------------------------------------------------------ cluster
+
+
+class SlurmConfig(Section):
+    """What ``skyrl sft|rl RECIPE --slurm`` puts in the sbatch script besides the layout
+    (``skyrl_cli.plan.slurm``). Most clusters need ``partition``, ``account`` and ``time``."""
+
+    partition: str | None = Field(None, description="#SBATCH --partition (unset: the cluster's default).")
+    account: str | None = Field(None, description="#SBATCH --account (unset: your default account).")
+    time: Annotated[str, Field(pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$")] | None = Field(
+        None, description='#SBATCH --time, e.g. "04:00:00" or "1-00:00:00" (unset: the partition\'s limit).'
+    )
+    gpus_per_node: NonNegativeInt | None = Field(
+        None,
+        description="#SBATCH --gpus-per-node. Unset: what the busiest node of the layout uses (trainer ranks "
+        'and engines x tensor_parallel), 0 when trainer.device = "cpu".',
+    )
+    cpus_per_node: PositiveInt | None = Field(None, description="#SBATCH --cpus-per-task (one task per node).")
+    setup: tuple[str, ...] = Field(
+        (),
+        description='Shell lines run on the first node before srun, e.g. "source .venv/bin/activate" or '
+        '"module load cuda".',
+    )
+
+
+class ClusterConfig(Section):
+    """A run across several machines (nodes): which nodes train and which serve. The same
+    ``skyrl sft|rl RECIPE`` command runs on every node; its node rank comes from ``--node-rank``
+    or Slurm's ``SLURM_NODEID``. Node 0 runs the orchestrator and the router (RL) and hosts the
+    trainer's rendezvous; the run directory must be on a file system every node mounts at the
+    same path (``skyrl_cli.plan.nodes``)."""
+
+    nodes: Annotated[int, Field(ge=2, le=1024)] = Field(description="Machines in the run (node ranks 0..nodes-1).")
+    trainer_nodes: PositiveInt | None = Field(
+        None,
+        description="Nodes 0..k-1 run trainer ranks (trainer.ranks each). Unset: every node.",
+    )
+    inference_nodes: NonNegativeInt | None = Field(
+        None,
+        description="The last m nodes run vLLM engines (inference.engines each; RL only). Unset: every node. "
+        "Every node must train or serve: trainer_nodes + inference_nodes >= nodes.",
+    )
+    address: str | None = Field(
+        None,
+        description="Node 0's address that the other nodes reach (host name or IP). Unset: the environment's "
+        "SKYRL_CLUSTER_ADDRESS, which the --slurm script sets to the job's first node.",
+    )
+    port: Annotated[int, Field(ge=1024, le=65535)] = Field(
+        29500, description="TCP port on node 0 of the trainer's rendezvous (torchrun)."
+    )
+    arrival_timeout_s: Annotated[float, Field(gt=0, le=86400)] = Field(
+        300.0,
+        description="How long each node waits for the others' markers in the run directory at the start.",
+    )
+    heartbeat_timeout_s: Annotated[float, Field(ge=3, le=3600)] = Field(
+        30.0,
+        description="A node whose heartbeat file in the run directory has not changed for this long counts "
+        "as dead: the run ends on every other node.",
+    )
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="The --slurm script's settings.")
+
+    @model_validator(mode="after")
+    def _every_node_has_a_role(self) -> "ClusterConfig":
+        trainer = self.nodes if self.trainer_nodes is None else self.trainer_nodes
+        inference = self.nodes if self.inference_nodes is None else self.inference_nodes
+        if trainer > self.nodes:
+            raise ValueError(f"trainer_nodes ({trainer}) must be <= nodes ({self.nodes})")
+        if inference > self.nodes:
+            raise ValueError(f"inference_nodes ({inference}) must be <= nodes ({self.nodes})")
+        if trainer + inference < self.nodes:
+            raise ValueError(
+                f"nodes {trainer}..{self.nodes - inference - 1} neither train nor serve: "
+                f"trainer_nodes ({trainer}) + inference_nodes ({inference}) must be >= nodes ({self.nodes})"
+            )
+        return self
+
+
 ALL_LINEAR = "all-linear"
 # Never quantized: the output head and the embeddings (the W4A16 format lists them in its ignore).
 FULL_PRECISION_LAYERS = ("lm_head", "embed_tokens")
@@ -516,6 +593,7 @@ class Recipe(Section):
     quantization: QuantizationConfig | None = Field(None, description="INT4 quantization (skyrl quantize).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tinker: TinkerConfig | None = Field(None, description="Tinker-API server (skyrl tinker serve).")
+    cluster: ClusterConfig | None = Field(None, description="Several machines: the node layout (skyrl_cli.plan.nodes).")
 
     @model_validator(mode="after")
     def _some_stage(self) -> "Recipe":
@@ -525,4 +603,19 @@ class Recipe(Section):
             raise ValueError("an [sft] or [rl] stage needs a [data] section")
         if self.model.tokenizer == "char" and self.model.init is None:
             raise ValueError('model.tokenizer = "char" only goes with model.init (a new tiny model)')
+        if self.cluster is not None:
+            # By value, not by presence: recipe.resolved.json holds every key at its default.
+            trainer = self.trainer
+            set_by_cluster = [
+                key
+                for key, default in (("nnodes", 1), ("node_rank", 0), ("rdzv_endpoint", None))
+                if getattr(trainer, key) != default
+            ]
+            if set_by_cluster:
+                raise ValueError(
+                    f"trainer.{set_by_cluster[0]} is derived from [cluster] (nodes, trainer_nodes, address, port; "
+                    "the node rank from --node-rank or SLURM_NODEID): remove it"
+                )
+            if self.rl is not None and self.cluster.inference_nodes == 0:
+                raise ValueError("cluster.inference_nodes = 0: the RL stage needs engines on at least one node")
         return self

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from skyrl_cli.commands import common
+from skyrl_cli.commands import cluster, common
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.rundir import CHECKPOINT_MODEL, RunDir
 
 AsyncOpt = Annotated[
@@ -41,6 +42,8 @@ def register(app: typer.Typer) -> None:
         quiet: common.QuietOpt = False,
         json_: common.JsonOpt = False,
         pool_name: PoolOpt = "auto",
+        node_rank: cluster.NodeRankOpt = None,
+        slurm: cluster.SlurmOpt = False,
     ) -> None:
         """Reinforcement learning from the recipe's rl section (GRPO family), sync or fully async.
 
@@ -54,6 +57,23 @@ def register(app: typer.Typer) -> None:
         machine = detect_machine()  # one look at the host: validation and the plan see the same facts
         loaded = common.load_for_run(recipe, set_, "rl", machine=machine)
         directory = common.run_dir_for(loaded, "rl", run_dir).resolve()
+        if slurm:
+            cluster.slurm(loaded, "rl", recipe, directory, set_, async_mode=async_mode, resume=resume, dry_run_=dry_run)
+            return
+        node = cluster.node_run(loaded, node_rank, need_address=not dry_run)
+        if node is not None:  # across nodes: engine pools are one machine's, so none is used
+            if pool_name not in ("auto", "none"):
+                raise UsageError(
+                    f"--pool {pool_name}: engine pools are one machine's; a run across nodes starts its own engines"
+                )
+            opts = dict(resume=resume, async_mode=async_mode, machine=machine, code_dir=common.recipe_dir(recipe))
+            if dry_run:
+                cluster.dry_run(loaded, "rl", node, directory, node_rank_flag=node_rank, json_=json_, **opts)
+                return
+            summary = run_rl_on_node(loaded, node, directory, mode, overwrite=overwrite, **opts)
+            if summary is not None and mode != "json":
+                typer.echo(final_line(summary, directory))
+            return
 
         def plan_with(pool=None):
             return build_plan(
@@ -141,6 +161,69 @@ def ensure_initial_policy(recipe, mode) -> None:
     )
 
 
+class NodeHooks:
+    """What node 0 of an RL run across nodes adds to ``_run_rl``: it tells the other nodes when the
+    engines' model is made, waits for their engines before the router starts and re-plans with
+    them, and watches the nodes while the jobs run."""
+
+    def __init__(self, rdv, replan):
+        self.rdv, self.replan_fn = rdv, replan
+
+    def after_setup(self) -> None:
+        self.rdv.set(phase="setup-done")
+
+    def replan(self):
+        plan = self.replan_fn()
+        self.rdv.set(phase="running")
+        return plan
+
+    def watch(self) -> None:
+        self.rdv.check()
+
+
+def run_rl_on_node(recipe, node, directory: Path, mode, *, resume, overwrite, async_mode, machine, code_dir):
+    """One node's share of an RL run across nodes (``skyrl_cli.commands.cluster``): node 0 runs the
+    stage as on one machine with the other nodes' engines (the summary is its); the others start
+    their engines and trainer ranks and run until node 0 ends the run (None)."""
+    from skyrl_cli.plan.inference import ENGINE_READY_TIMEOUT_S
+    from skyrl_cli.plan.rl import init_model_dir
+    from skyrl_contracts.atomic import write_json
+    from skyrl_contracts.errors import UsageError
+
+    opts = dict(resume=resume, async_mode=async_mode, machine=machine, code_dir=code_dir)
+    if node.rank != 0:
+        cluster.run_peer(recipe, "rl", node, directory, mode, **opts)
+        return None
+    init = init_model_dir(recipe)
+    if not (init / "config.json").exists():
+        first = (
+            "run skyrl sft with the same recipe first (on the trainer nodes)" if recipe.rl.init_from == "sft" else ""
+        )
+        raise UsageError(f"rl.init_from: no model at {init}" + (f"; {first}" if first else ""))
+    from skyrl_cli.engines.stack import check_remote_engines  # light: httpx only
+
+    check_remote_engines(recipe.inference.urls)  # engines outside the layout, as on one machine
+    recording, replaying = cluster.replaying_ports(machine)
+    plan = cluster.plan_here(recipe, "rl", node, directory, **{**opts, "machine": recording})
+    run_dir = RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
+    clear_exchange(run_dir)
+    with cluster.rendezvous(recipe, "rl", node, directory, resume=resume, async_mode=async_mode) as rdv:
+        cluster.say(mode, f"rl: node 0 of {node.layout.nodes}: waiting for the other nodes in {directory}")
+        rdv.join()
+
+        def replan():
+            urls = cluster.gather_engines(rdv, node.layout, ENGINE_READY_TIMEOUT_S)
+            final = cluster.plan_here(
+                recipe, "rl", node, directory, **{**opts, "machine": replaying()}, remote_urls=urls
+            )
+            write_json(run_dir.plan, final.model_dump(mode="json"))
+            cluster.say(mode, f"rl: engines of the other nodes: {', '.join(urls) or 'none'}")
+            return final
+
+        with rdv.blaming_nodes():
+            return _run_rl(recipe, plan, run_dir, directory, mode, None, nodes=NodeHooks(rdv, replan))
+
+
 def clear_exchange(run_dir: RunDir) -> None:
     """Batches, stop requests and the LATEST pointer belong to the processes of one launch: a
     resumed learner republishes the policy it restarts from, and nothing stale may be read first."""
@@ -162,7 +245,7 @@ def run_rl(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool
     return _run_rl(recipe, plan, run_dir, directory, mode, pool)
 
 
-def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool) -> dict:
+def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, nodes: NodeHooks | None = None) -> dict:
     from skyrl_cli.engines.stack import attach_inference, launch_inference  # light: httpx only
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor
@@ -179,9 +262,22 @@ def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool) -> dict:
         EventWriter(run_dir.events, "inference") as writer,
     ):
         run_setup_jobs(supervisor, order.setup, progress)
+        if nodes is not None:
+            nodes.after_setup()
         if pool is None:
             progress.phase = "engine start-up"
             (router,) = order.router
+            before_router = None
+            if nodes is not None:
+
+                def before_router():  # the other nodes' engines: the plan's router and jobs get them
+                    nonlocal plan, order
+                    progress.phase = "waiting for the other nodes' engines"
+                    plan = nodes.replan()
+                    order = plan.start_order()
+                    progress.phase = "engine start-up"
+                    return plan.engine_urls, order.router[0]
+
             stack = launch_inference(
                 supervisor,
                 order.engines,
@@ -192,6 +288,7 @@ def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool) -> dict:
                 writer=writer,
                 step_fn=step,
                 early_jobs=order.beside_engines,
+                before_router=before_router,
             )
         else:
             progress.phase = f"loading the initial weights into engine pool {pool.name}"
@@ -209,7 +306,7 @@ def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool) -> dict:
                 **({"pool": pool.name} if pool is not None else {}),
             }
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
-                run_jobs(supervisor, plan, order, stack, run, progress)
+                run_jobs(supervisor, plan, order, stack, run, progress, watch=nodes.watch if nodes else None)
                 progress.phase = "publishing the final model"
                 publish_final_model(run_dir)
                 if publish_final_int4(run_dir, recipe):
@@ -237,7 +334,7 @@ def run_setup_jobs(supervisor, setup, progress) -> None:
         supervisor.wait_jobs([spec.name])
 
 
-def run_jobs(supervisor, plan, order, stack, run, progress) -> None:
+def run_jobs(supervisor, plan, order, stack, run, progress, watch=None) -> None:
     """Start the orchestrator and the learner and wait for both: the first one to fail (or be
     killed) raises ``LaunchError`` at once, naming it and its log."""
     from skyrl_contracts.errors import LaunchError
@@ -250,6 +347,8 @@ def run_jobs(supervisor, plan, order, stack, run, progress) -> None:
         gave_up = stack.recovery.gave_up() if stack.recovery is not None else None
         if gave_up:
             raise LaunchError(gave_up)
+        if watch is not None:  # across nodes: a node that died or failed ends the run here
+            watch()
 
     jobs = [p.name for p in (*order.beside_engines, *order.after_router) if p.kind == "job"]
     for spec in order.after_router:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from skyrl_cli.commands import common
+from skyrl_cli.commands import cluster, common
 
 
 def register(app: typer.Typer) -> None:
@@ -18,6 +18,8 @@ def register(app: typer.Typer) -> None:
         overwrite: common.OverwriteOpt = False,
         quiet: common.QuietOpt = False,
         json_: common.JsonOpt = False,
+        node_rank: cluster.NodeRankOpt = None,
+        slurm: cluster.SlurmOpt = False,
     ) -> None:
         """Supervised fine-tuning from the recipe's sft section: torchrun + DeepSpeed, dynamic micro-batching.
 
@@ -31,6 +33,21 @@ def register(app: typer.Typer) -> None:
         machine = detect_machine()  # one look at the host: validation and the plan see the same facts
         loaded = common.load_for_run(recipe, set_, "sft", machine=machine)
         directory = common.run_dir_for(loaded, "sft", run_dir).resolve()
+        if slurm:
+            cluster.slurm(loaded, "sft", recipe, directory, set_, async_mode=False, resume=resume, dry_run_=dry_run)
+            return
+        node = cluster.node_run(loaded, node_rank, need_address=not dry_run)
+        if node is not None:
+            if dry_run:
+                opts = dict(node_rank_flag=node_rank, resume=resume, async_mode=False, machine=machine, code_dir=None)
+                cluster.dry_run(loaded, "sft", node, directory, json_=json_, **opts)
+                return
+            summary = run_sft_on_node(
+                loaded, node, directory, mode, resume=resume, overwrite=overwrite, machine=machine
+            )
+            if summary is not None and mode != "json":
+                typer.echo(final_line(summary, directory))
+            return
         plan = build_plan(loaded, "sft", directory, resume=resume, machine=machine)
         if dry_run:
             common.print_plan(plan, json_)
@@ -58,6 +75,45 @@ def run_sft(
         overwrite=overwrite,
         interrupt_hints=interrupt_hints,
     )
+
+
+def run_sft_on_node(recipe, node, directory, mode, *, resume: bool, overwrite: bool, machine) -> dict | None:
+    """One node's share of an SFT run across nodes (``skyrl_cli.commands.cluster``): node 0 prepares
+    the run directory, meets the others and runs its trainer ranks as on one machine (the summary
+    is its); the other nodes run theirs (None)."""
+    from skyrl_contracts.rundir import RunDir
+
+    opts = dict(resume=resume, async_mode=False, machine=machine, code_dir=None)
+    if not node.layout.trains(node.rank):
+        cluster.say(
+            mode,
+            f"sft: node {node.rank} does not train (cluster.trainer_nodes = {node.layout.trainer_nodes}); nothing to run",
+            always=True,
+        )
+        return None
+    if node.rank != 0:
+        cluster.run_peer(recipe, "sft", node, directory, mode, **opts)
+        return None
+    plan = cluster.plan_here(recipe, "sft", node, directory, **opts)
+    RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
+    with cluster.rendezvous(recipe, "sft", node, directory, resume=resume, async_mode=False) as rdv:
+        cluster.say(mode, f"sft: node 0 of {node.layout.trainer_nodes}: waiting for the other nodes in {directory}")
+        rdv.join()
+        rdv.set(phase="running")
+        extra = {"final_model": str(RunDir(directory).final), "nodes": node.layout.trainer_nodes}
+        with rdv.blaming_nodes():
+            return common.run_job(
+                recipe,
+                plan,
+                directory,
+                mode,
+                stage="sft",
+                summary_extra=extra,
+                resume=resume,
+                overwrite=overwrite,
+                prepared=True,
+                watch=rdv.check,
+            )
 
 
 def final_line(summary: dict, directory) -> str:

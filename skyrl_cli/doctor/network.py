@@ -68,8 +68,28 @@ def _connect(host: str, port: int) -> str | None:
 
 
 def check_rendezvous(recipe: Recipe) -> list[Check]:
-    """Multi-node: node 0 hosts the rendezvous (its address must be this host's), other nodes connect."""
+    """Multi-node: node 0 hosts the rendezvous (its address must be this host's), other nodes connect.
+    With ``[cluster]`` the trainer's view comes from the layout (``skyrl_cli.plan.nodes``), this
+    node's rank from Slurm's environment (else 0), node 0's address from the recipe or
+    ``SKYRL_CLUSTER_ADDRESS``."""
     trainer = recipe.trainer
+    if recipe.cluster is not None:
+        import os
+
+        from skyrl_cli.plan.nodes import NodeContext, cluster_layout, node_rank, node_recipe
+        from skyrl_contracts.errors import UsageError
+
+        layout = cluster_layout(recipe)
+        address = layout.address or os.environ.get("SKYRL_CLUSTER_ADDRESS", "").strip()
+        if not address:
+            return [failed("rendezvous", "cluster.address is unset", "set it, or SKYRL_CLUSTER_ADDRESS (Slurm)")]
+        try:
+            rank = node_rank(recipe, layout, None, os.environ)
+        except UsageError as err:
+            return [failed("rendezvous", str(err), "run the check on a node of the layout")]
+        trainer = node_recipe(recipe, layout, NodeContext(rank, address, address), "sft").trainer
+        if not layout.trains(rank) or layout.trainer_nodes == 1:
+            return [passed("rendezvous", f"node {rank} of {layout.nodes}: no rendezvous across nodes to check")]
     if trainer.nnodes == 1:
         return []
     host, _, port_text = trainer.rdzv_endpoint.rpartition(":")

@@ -227,11 +227,14 @@ class Supervisor:
         run_dir: str | os.PathLike,
         base_env: dict[str, str] | None = None,
         on_detached: Callable[[ManagedProcess], None] | None = None,
+        logs_dir: str | os.PathLike | None = None,
     ):
+        """``logs_dir``: where the processes log (default ``logs/`` of the run; across nodes a node
+        other than node 0 logs into ``logs/node-<k>/`` of the shared run directory)."""
         self.run_dir = Path(run_dir)
         self.on_detached = on_detached
         self.paths = RunDir(self.run_dir)
-        self.logs_dir = self.paths.logs
+        self.logs_dir = Path(logs_dir) if logs_dir is not None else self.paths.logs
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.processes: dict[str, ManagedProcess] = {}
@@ -269,7 +272,7 @@ class Supervisor:
                 raise LaunchError(f"not starting {spec.name}: the run is shutting down")
             if spec.name in self.processes and self.processes[spec.name].returncode is None:
                 raise LaunchError(f"process {spec.name!r} is already running")
-            log_path = Path(log_path) if log_path is not None else self.paths.log(spec.name)
+            log_path = Path(log_path) if log_path is not None else self.logs_dir / f"{spec.name}.log"
             log = open(log_path, "ab", buffering=0)
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode())
             env = child_env(self.base_env, spec.env)

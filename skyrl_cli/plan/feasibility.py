@@ -98,6 +98,22 @@ def _device_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
     ]
     engine_gpus = engines * inference.tensor_parallel
     needed = trainer.ranks + engine_gpus
+    from skyrl_cli.plan.nodes import cluster_layout
+
+    layout = cluster_layout(recipe)
+    if layout is not None and engines and not layout.overlap:
+        # Across nodes with no node that both trains and serves: each node holds one of the two.
+        visible = f"{gpu_count} {'is' if gpu_count == 1 else 'are'} visible"
+        if trainer.ranks > gpu_count:
+            problems.append(
+                Problem(("trainer", "ranks"), f"a trainer node needs {trainer.ranks} GPUs (one per rank) but {visible}")
+            )
+        if engine_gpus > gpu_count:
+            why = f"{engines} engines x tensor_parallel {inference.tensor_parallel}"
+            problems.append(
+                Problem(("inference", "engines"), f"an inference node needs {engine_gpus} GPUs ({why}) but {visible}")
+            )
+        return problems
     if needed > gpu_count:
         problems.append(
             Problem(

@@ -120,6 +120,7 @@ def engine_argv(
     index: int = 0,
     async_mode: bool = False,
     weight_sync: str = "disk",
+    seed_offset: int = 0,
 ) -> tuple[str, ...]:
     inf = recipe.inference
     argv = [
@@ -142,7 +143,7 @@ def engine_argv(
         # A distinct sampling seed per engine: with one seed, the k-th request on every engine
         # draws the same random numbers, and samples of a group spread over engines repeat.
         "--seed",
-        str(recipe.seed + index),
+        str(recipe.seed + seed_offset + index),
         "--enable-scale-out",
         "--logprobs-mode",
         "processed_logprobs",
@@ -242,11 +243,13 @@ def engine_specs(
     model_dir: str,
     async_mode: bool = False,
     weight_sync: str = "disk",
+    seed_offset: int = 0,
 ) -> list[ProcessSpec]:
     """One ProcessSpec per local engine (``recipe.inference.engines`` of them). The devices fit:
     ``skyrl_cli.plan.feasibility`` checked them when the recipe was loaded. ``async_mode``: the RL
     stage runs with ``--async`` (more LoRA versions may be live at once, see ``max_loras``);
-    ``weight_sync``: the RL run's (``skyrl_cli.plan.weight_sync``), "nccl" adds the transfer engine."""
+    ``weight_sync``: the RL run's (``skyrl_cli.plan.weight_sync``), "nccl" adds the transfer engine.
+    ``seed_offset``: engines of earlier nodes (across nodes every engine gets a sampling seed of its own)."""
     # A loaded recipe passes through unchanged; one built in code (tests, benchmarks) gets the
     # length defaults the loader would have given it.
     recipe = with_model_lengths(recipe)
@@ -260,7 +263,7 @@ def engine_specs(
             ProcessSpec(
                 name=engine_name(index),
                 role="engine",
-                argv=engine_argv(recipe, machine, port, model_dir, index, async_mode, weight_sync),
+                argv=engine_argv(recipe, machine, port, model_dir, index, async_mode, weight_sync, seed_offset),
                 env=env,
                 devices=devices,
                 ports=(port,),

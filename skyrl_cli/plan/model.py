@@ -66,6 +66,11 @@ class LaunchPlan(Frozen):
     weight_sync: Literal["nccl", "disk", "lora", "int4"] | None = None
     # RL on an engine pool's engines and router (skyrl engines up): its name; they are not in processes.
     pool: str | None = None
+    # Across nodes ([cluster], skyrl_cli.plan.nodes): this plan is node ``node``'s of ``nodes``, with
+    # its roles ("coordinator": node 0, the run directory, router and orchestrator; "trainer"; "inference").
+    node: int = 0
+    nodes: int = 1
+    roles: tuple[str, ...] = ()
 
     def start_order(self) -> StartOrder:
         """Setup jobs to their end; the engines, with the jobs marked ``start_with_engines`` beside

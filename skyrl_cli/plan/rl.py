@@ -15,7 +15,9 @@ async mode's gain shows in its benchmark with a fixed-time trainer, not on the q
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Sequence
 
 from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
@@ -63,6 +65,7 @@ def orchestrator_spec(
     async_mode: bool,
     recipe_dir: Path | None = None,
     weight_sync: str = "disk",
+    resume: bool = False,
 ) -> ProcessSpec:
     """``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
     ``rl.environment`` modules are found next to the recipe, like its files (then the directory
@@ -84,6 +87,8 @@ def orchestrator_spec(
     ]
     if async_mode:
         argv.append("--async")
+    if not resume:  # starts on v0 at once (backends.rollout.orchestrator.Orchestrator.first_version)
+        argv.append("--fresh")
     if recipe_dir is not None:
         argv += ["--import-path", str(recipe_dir)]
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -136,17 +141,21 @@ def plan_rl(
     machine: MachineFacts,
     recipe_dir: Path | None = None,
     pool: PoolAttachment | None = None,
+    remote_urls: Sequence[str] = (),
+    nccl_host: str | None = None,
 ) -> LaunchPlan:
     """``pool``: use a running engine pool's engines and router (``skyrl engines up``) instead of
-    starting them; the setup job still makes the model this run loads into them."""
+    starting them; the setup job still makes the model this run loads into them. Across nodes
+    (``skyrl_cli.plan.nodes.plan_node``, node 0): ``remote_urls`` are the other nodes' engines,
+    used like ``inference.urls``, and ``nccl_host`` the address the NCCL group opens on."""
     if recipe.rl is None:
         raise UsageError("the recipe has no [rl] section")
-    if recipe.trainer.nnodes > 1:
-        # Every node would start its own engines, router and orchestrator: refused until the plan
-        # says what each node of an RL run runs (SFT across nodes works: same command on each node).
+    if recipe.trainer.nnodes > 1 and recipe.cluster is None:
+        # Every node would start its own engines, router and orchestrator: the layout of an RL run
+        # across nodes is the [cluster] section's (skyrl_cli.plan.nodes).
         raise UsageError(
-            f"trainer.nnodes = {recipe.trainer.nnodes}: RL across nodes is not supported yet (skyrl sft is); "
-            "run skyrl rl on one node (trainer.nnodes = 1); engines on other machines can join through inference.urls"
+            f"trainer.nnodes = {recipe.trainer.nnodes}: RL across nodes takes its layout from a [cluster] section "
+            "(nodes, trainer_nodes, inference_nodes, address); see docs/multi-node.md"
         )
     inf = recipe.inference
     init_from = init_model_dir(recipe)
@@ -159,31 +168,18 @@ def plan_rl(
     setup, served = engine_model_setup(weight_sync, run_dir, init_from, machine)
     if pool is None:
         engines = engine_specs(recipe, inf_machine, engine_ports, str(served), async_mode, weight_sync)
-        urls = all_engine_urls(recipe, inf_machine, engine_ports)
+        urls = [*all_engine_urls(recipe, inf_machine, engine_ports), *remote_urls]
         inference = (*engines, router_spec(recipe, inf_machine, urls, router_port, prometheus_port))
         router_url = engine_url(inf_machine, router_port)
     else:
         urls = [*pool.engine_urls, *(u.rstrip("/") for u in inf.urls)]
         inference, router_url = (), pool.router_url
-    trainer = trainer_spec(
-        recipe,
-        run_dir,
-        machine,
-        module=LEARNER_MODULE,
-        resume=resume,
-        resources=trainer_resources(recipe, machine),
-        port=rdzv_port,
-        extra_args=(
-            "--init-from",
-            str(init_from),
-            "--engine-dtype",
-            engine_dtype(recipe, inf_machine),
-            *learner_sync_args(recipe, weight_sync, urls, machine.host, nccl_port),
-        ),
+    trainer = rl_trainer_spec(
+        recipe, run_dir, machine, resume, nccl_host or machine.host, urls, port=rdzv_port, nccl_port=nccl_port
     )
-    # With NCCL the learner opens its group with the engines at start-up, so it waits for them.
-    trainer = trainer.model_copy(update={"start_with_engines": weight_sync != "nccl"})
-    orchestrator = orchestrator_spec(run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync)
+    orchestrator = orchestrator_spec(
+        run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync, resume
+    )
     return LaunchPlan(
         stage="rl",
         run_dir=str(run_dir),
@@ -197,6 +193,63 @@ def plan_rl(
         weight_sync=weight_sync,
         pool=pool.name if pool is not None else None,
     )
+
+
+def rl_trainer_spec(
+    recipe: Recipe,
+    run_dir: Path,
+    machine: MachineFacts,
+    resume: bool,
+    nccl_host: str,
+    engine_urls: Sequence[str] = (),
+    *,
+    port: int | None = None,
+    nccl_port: int | None = None,
+) -> ProcessSpec:
+    """The torchrun learner (``backends.train.rl_learner``); on a node other than node 0 of a run
+    across nodes, its share of the ranks (the engine URLs and NCCL address only matter to rank 0)."""
+    init_from = init_model_dir(recipe)
+    device = trainer_device(recipe, machine)
+    inf_machine = inference_machine(recipe, machine, device)
+    weight_sync = rl_weight_sync(recipe, machine)
+    if weight_sync == "nccl" and nccl_port is None:
+        nccl_port = recipe.cluster.port + 1 if recipe.cluster is not None else machine.free_ports(1)[0]
+    trainer = trainer_spec(
+        recipe,
+        run_dir,
+        machine,
+        module=LEARNER_MODULE,
+        resume=resume,
+        resources=trainer_resources(recipe, machine),
+        port=port,
+        extra_args=(
+            "--init-from",
+            str(init_from),
+            "--engine-dtype",
+            engine_dtype(recipe, inf_machine),
+            *learner_sync_args(recipe, weight_sync, list(engine_urls), nccl_host, nccl_port or 0),
+        ),
+    )
+    # With NCCL the learner opens its group with the engines at start-up, so it waits for them.
+    return trainer.model_copy(update={"start_with_engines": weight_sync != "nccl"})
+
+
+def peer_engine_specs(
+    recipe: Recipe, run_dir: Path, machine: MachineFacts, async_mode: bool, seed_offset: int, trains_here: bool
+) -> tuple[list[ProcessSpec], str]:
+    """The engines of a node other than node 0 (``recipe.inference.engines`` of them, as
+    ``skyrl_cli.plan.nodes.node_recipe`` set it), serving what node 0's setup job made in the shared
+    run directory; and the node's device. On GPUs a node that does not train gives every GPU to its
+    engines."""
+    device = trainer_device(recipe, machine)
+    inf_machine = inference_machine(recipe, machine, device)
+    if device == "cuda" and not trains_here:
+        inf_machine = dataclasses.replace(inf_machine, engine_gpus=tuple(machine.gpus))
+    weight_sync = rl_weight_sync(recipe, machine)
+    _, served = engine_model_setup(weight_sync, run_dir, init_model_dir(recipe), machine)
+    ports = machine.free_ports(recipe.inference.engines)
+    specs = engine_specs(recipe, inf_machine, ports, str(served), async_mode, weight_sync, seed_offset)
+    return specs, device
 
 
 def learner_sync_args(

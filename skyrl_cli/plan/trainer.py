@@ -37,9 +37,18 @@ class TrainerResources:
     threads_per_rank: int
 
 
+def trainer_node_count(recipe: Recipe) -> int:
+    """Nodes that run trainer ranks: ``cluster.trainer_nodes`` (default: every node of the
+    ``[cluster]``), else ``trainer.nnodes``."""
+    cluster = recipe.cluster
+    if cluster is not None:
+        return cluster.nodes if cluster.trainer_nodes is None else cluster.trainer_nodes
+    return recipe.trainer.nnodes
+
+
 def world_size(recipe: Recipe) -> int:
     """Trainer processes over all nodes: the count every global batch is split over."""
-    return recipe.trainer.ranks * recipe.trainer.nnodes
+    return recipe.trainer.ranks * trainer_node_count(recipe)
 
 
 def trainer_device(recipe: Recipe, machine: MachineFacts) -> Literal["cpu", "cuda"]:

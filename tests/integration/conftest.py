@@ -206,6 +206,32 @@ def single_engine(recipe, model_dir, run_dir, machine=None):
         yield url
 
 
+QUICKSTART_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
+# The shortened quickstart's SFT stage (500 steps: it learns the sums and copies the teacher's
+# flaw), which the RL tests of the quickstart start from.
+SHORTENED_QUICKSTART = [
+    "--set",
+    "data.eval_size=200",
+    "--set",
+    "sft.steps=500",
+    "--set",
+    "sft.eval_every=0",
+    "--set",
+    "sft.save_every=0",
+]
+
+
+@pytest.fixture(scope="session")
+def shortened_quickstart_sft(tmp_path_factory) -> Path:
+    """The run directory of ``skyrl sft quickstart`` with ``SHORTENED_QUICKSTART``, trained once per
+    session (tests read it, never write it)."""
+    from tests.integration.cli_runs import run_skyrl
+
+    run_dir = tmp_path_factory.mktemp("quickstart-sft") / "sft"
+    run_skyrl("sft", QUICKSTART_RECIPE, "--run-dir", run_dir, "--quiet", *SHORTENED_QUICKSTART, timeout=600)
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")

@@ -14,26 +14,17 @@ import json
 import pytest
 
 from tests.integration.cli_runs import REPO, events, run_skyrl
+from tests.integration.conftest import SHORTENED_QUICKSTART
 
 pytestmark = pytest.mark.integration
 
-SHORTER = [
-    "--set",
-    "data.eval_size=200",
-    "--set",
-    "sft.steps=500",
-    "--set",
-    "sft.eval_every=0",
-    "--set",
-    "sft.save_every=0",
-]
+SHORTER = SHORTENED_QUICKSTART
 RL = ["--set", "rl.steps=10", "--set", "rl.eval_every=0", "--set", "rl.save_every=0"]
 
 
-def test_shortened_quickstart_rl_raises_held_out_accuracy(tmp_path):
+def test_shortened_quickstart_rl_raises_held_out_accuracy(tmp_path, shortened_quickstart_sft):
     recipe = REPO / "recipes" / "quickstart.toml"
-    sft_dir, rl_dir = tmp_path / "sft", tmp_path / "rl"
-    run_skyrl("sft", recipe, "--run-dir", sft_dir, "--quiet", *SHORTER, timeout=600)
+    sft_dir, rl_dir = shortened_quickstart_sft, tmp_path / "rl"
     sft_accuracy = events(sft_dir, "eval/accuracy")[-1][1]
     assert 0.2 < sft_accuracy < 0.75, f"SFT should have learned the sums and copied the flaw: {sft_accuracy}"
 

@@ -4,8 +4,8 @@ prints the same figures).
 
 Asserted: no client error but the clear ones a kill causes; no future lost, duplicated or left
 pending; the futures finished before the kill come back byte for byte after it; every saved
-checkpoint loads with the loss it was saved with; single-client replays give the losses seen under
-load; the server's RSS and open files do not grow after the warm-up beyond the stated margins.
+checkpoint loads with the loss it was saved with; single-client replays of three clients' first 30
+optimizer steps give the losses seen under load; the server's RSS and open files do not grow after the warm-up beyond the stated margins.
 """
 
 from __future__ import annotations

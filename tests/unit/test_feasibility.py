@@ -92,7 +92,7 @@ def test_rl_across_nodes_is_refused_in_one_line_and_sft_across_nodes_plans(tmp_p
     multi = {"nnodes": 2, "node_rank": 0, "rdzv_endpoint": "10.0.0.1:29400"}
     with pytest.raises(UsageError) as info:
         build_plan(recipe(trainer=multi), "rl", tmp_path, machine=CPU2)
-    assert str(info.value).startswith("trainer.nnodes = 2: RL across nodes is not supported yet")
+    assert str(info.value).startswith("trainer.nnodes = 2: RL across nodes takes its layout from a [cluster] section")
     assert len(str(info.value).splitlines()) == 1
     sft = recipe(trainer=multi, sft={}, rl=None)
     assert build_plan(sft, "sft", tmp_path, machine=CPU2).processes

@@ -105,3 +105,11 @@ def test_the_plan_states_the_start_order(tmp_path):
         for phase in (order.setup, order.engines, order.beside_engines, order.router, order.after_router)
     ]
     assert names == [["engine-model"], ["engine-0"], ["trainer"], ["router"], ["orchestrator"]]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_only_a_fresh_run_orchestrator_starts_on_v0_without_the_learner(tmp_path, resume):
+    """``--fresh`` (``Orchestrator.first_version``): a resumed learner may restart from a checkpoint."""
+    plan = build_plan(recipe(None), "rl", tmp_path, resume=resume, machine=CPU2)
+    (orchestrator,) = [p for p in plan.processes if p.role == "orchestrator"]
+    assert ("--fresh" in orchestrator.argv) is (not resume)
