@@ -82,9 +82,9 @@ def dry_run(
 ):
     """Every node's plan (``--node-rank``: that node's only)."""
     from skyrl_cli.commands import common
-    from skyrl_cli.plan.nodes import plan_cluster
+    from skyrl_cli.plan.nodes import plan_cluster, slurm_rank
 
-    shown = [node.rank] if node_rank_flag is not None or _slurm_rank() is not None else None
+    shown = [node.rank] if node_rank_flag is not None or slurm_rank(os.environ)[1] is not None else None
     data = plan_cluster(
         loaded,
         stage,
@@ -98,15 +98,6 @@ def dry_run(
         nodes=shown,
     )
     common.print_plan(data, json_)
-
-
-def _slurm_rank() -> int | None:
-    from skyrl_cli.plan.nodes import SLURM_RANK_VARS
-
-    for var in SLURM_RANK_VARS:
-        if os.environ.get(var, "").strip().isdigit():
-            return int(os.environ[var])
-    return None
 
 
 def slurm(loaded, stage: str, recipe_arg: str, directory: Path, sets, *, async_mode, resume, dry_run_: bool) -> None:

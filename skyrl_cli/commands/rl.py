@@ -133,7 +133,6 @@ def pick_pool(requested: str, recipe, own_plan):
 def ensure_initial_policy(recipe, mode) -> None:
     """``init_from = "sft"``: run the recipe's SFT stage first when its output does not exist."""
     from skyrl_cli.plan.rl import init_model_dir
-    from skyrl_contracts.errors import UsageError
 
     init = init_model_dir(recipe)
     if (init / "config.json").exists():
@@ -188,7 +187,6 @@ def run_rl_on_node(recipe, node, directory: Path, mode, *, resume, overwrite, as
     from skyrl_cli.plan.inference import ENGINE_READY_TIMEOUT_S
     from skyrl_cli.plan.rl import init_model_dir
     from skyrl_contracts.atomic import write_json
-    from skyrl_contracts.errors import UsageError
 
     opts = dict(resume=resume, async_mode=async_mode, machine=machine, code_dir=code_dir)
     if node.rank != 0:

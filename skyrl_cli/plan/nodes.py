@@ -129,15 +129,20 @@ class NodeContext:
     interface: str | None = None
 
 
+def slurm_rank(env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    """(the variable, this node's rank) from Slurm's environment, or (None, None) outside Slurm."""
+    for var in SLURM_RANK_VARS:
+        if env.get(var, "").strip().isdigit():
+            return var, int(env[var])
+    return None, None
+
+
 def node_rank(recipe: Recipe, layout: Layout, flag: int | None, env: Mapping[str, str]) -> int:
     """This node's rank: ``--node-rank``, else Slurm's ``SLURM_NODEID`` (``SLURM_PROCID``), else
     ``trainer.node_rank`` (the older ``trainer.nnodes`` recipes), else 0."""
     source, rank = "--node-rank", flag
     if rank is None:
-        for var in SLURM_RANK_VARS:
-            if env.get(var, "").strip().isdigit():
-                source, rank = var, int(env[var])
-                break
+        source, rank = slurm_rank(env)
     if rank is None:
         source, rank = "trainer.node_rank", recipe.trainer.node_rank if layout.legacy else 0
     key = "trainer.nnodes" if layout.legacy else "cluster.nodes"

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_runs import ENV, REPO, SKYRL, events, run_skyrl
-from tests.integration.conftest import SHORTENED_QUICKSTART
+from tests.integration.conftest import QUICKSTART_RECIPE as QUICKSTART
+from tests.integration.conftest import SHORTENED_QUICKSTART as SHORTER
 
 pytestmark = pytest.mark.integration
 
@@ -70,10 +71,6 @@ def finished(proc: subprocess.Popen, log: Path, timeout: float = 600) -> str:
     return log.read_text()
 
 
-def last_loss(run: Path) -> float:
-    return events(run, "train/loss")[-1]
-
-
 def test_two_node_sft_ends_at_the_single_node_loss(tmp_path):
     (tmp_path / "sft.toml").write_text(SFT_RECIPE)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -84,7 +81,8 @@ def test_two_node_sft_ends_at_the_single_node_loss(tmp_path):
     out0 = finished(node0, tmp_path / "node0.out")
     assert node0.returncode == 0, out0
     assert "sft done on node 1" in node1.stderr
-    assert last_loss(two) == last_loss(one) and events(two, "train/loss")[-1][0] == 20
+    last = events(two, "train/loss")[-1]
+    assert last == events(one, "train/loss")[-1] and last[0] == 20  # (step, loss): the same loss at step 20
     # node 1's rank ran under node 1's driver, logging into its own folder of the shared run directory
     assert "--node-rank 1" in (two / "logs/node-1/trainer.log").read_text().splitlines()[1]
     assert "--node-rank 0" in (two / "logs/trainer.log").read_text().splitlines()[1]
@@ -124,15 +122,17 @@ def namespaces():
         pytest.skip(f"cannot make network namespaces here: {getattr(err, 'stderr', err)}")
     yield ns, addresses
     for name in ns:
-        subprocess.run(["ip", "netns", "pids", name], capture_output=True)
         kill_namespace(name)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+def namespace_pids(name: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+
+
 def namespace_commands(name: str) -> list[str]:
-    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
     found = []
-    for pid in pids:
+    for pid in namespace_pids(name):
         try:
             found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
         except OSError:
@@ -142,17 +142,13 @@ def namespace_commands(name: str) -> list[str]:
 
 def kill_namespace(name: str) -> int:
     """SIGKILL every process of a simulated node (a machine that dies)."""
-    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    pids = namespace_pids(name)
     for pid in pids:
         try:
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
     return len(pids)
-
-
-QUICKSTART = REPO / "recipes" / "quickstart.toml"
-SHORTER = SHORTENED_QUICKSTART
 
 
 def wait_for(path: Path, procs, timeout_s: float) -> None:
