@@ -239,7 +239,8 @@ class Rendezvous:
         found = {}
         for peer in self.peers:
             other = self.peer(peer)
-            beat, since = self._seen.get(peer, (-1, now))
+            # a peer's silence counts from the first look at it, also when no marker was ever seen
+            beat, since = self._seen.setdefault(peer, (-1, now))
             if other is not None:
                 found[peer] = other
                 if other.phase == "failed":
@@ -274,10 +275,10 @@ class Rendezvous:
             beats = {peer: self._seen.get(peer, (-1, start))[0] for peer in self.peers}
             silent = set(beats)
             while silent and time.monotonic() - start < self.heartbeat_timeout_s + settle_s:
-                self.check()  # raises for a peer that failed or fell silent for too long
+                found = self.check()  # raises for a peer that failed or fell silent for too long
                 for peer in list(silent):
                     current = self._seen.get(peer, (-1, start))[0]
-                    other = self.peer(peer)
+                    other = found.get(peer)
                     if current != beats[peer] or (other is not None and other.phase == "done"):
                         silent.discard(peer)
                 if silent:
