@@ -74,6 +74,30 @@ def init_distributed(preference: str = "auto") -> Dist:
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
 
 
+def leave_distributed(completed: bool) -> None:
+    """End a trainer process: every rank waits for the others (rank 0 may still be writing the
+    final model or its INT4 export), the process groups are destroyed, and a completed run then
+    leaves with ``os._exit(0)``. Without the wait a rank that finished first tore its groups down
+    while its peer still held connections, and even after ``destroy_process_group`` a gloo worker
+    thread kept alive by DeepSpeed's group handles was sometimes destroyed unjoined during
+    interpreter shutdown ("terminate called without an active exception": SIGABRT after a run
+    that had finished and published everything). Exiting past the interpreter's teardown is safe
+    here because the outputs are already published atomically and the event log closed; a failed
+    run keeps the normal exit, so its traceback and exit code reach torchrun."""
+    if not torch.distributed.is_initialized():
+        return
+    if completed:
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    if completed:
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool) -> dict:
     zero: dict = {"stage": zero_stage}
     if zero_stage == 3:

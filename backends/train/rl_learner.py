@@ -311,8 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     learner = Learner(
         args.run_dir.resolve(), args.init_from.resolve(), args.resume, args.weight_sync, nccl, args.engine_dtype
     )
+    from backends.train.engine import leave_distributed
+
+    completed = False
     try:
         learner.run()
+        completed = True
     except StopRequested as stop:
         learner.say(f"stopping: {stop}")
         raise SystemExit(1)
@@ -322,8 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if learner.sender is not None:
             learner.sender.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        leave_distributed(completed)
 
 
 if __name__ == "__main__":

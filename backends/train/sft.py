@@ -287,9 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args = parser.parse_args(argv)
+    from backends.train.engine import leave_distributed
+
     SFTTrainer(args.run_dir.resolve(), args.resume).run()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave_distributed(completed=True)
 
 
 if __name__ == "__main__":
