@@ -71,6 +71,31 @@ def save_hf(model, tokenizer, out_dir: str | os.PathLike, state_dict=None) -> Pa
     return out
 
 
+def plain_copy(model, state_dict=None):
+    """What ``save_hf(model, ...)`` then ``from_pretrained(dir, dtype="auto")`` gives, built in memory
+    on the CPU: a fresh HF model of ``model``'s class and config holding its weights (``state_dict``:
+    ZeRO-3's gathered tensors) in the dtype ``save_pretrained`` records, the module's own. Fresh
+    layers are plain ``Linear``: a fake-quantized layer (``prepare_qat``) gives its master weights.
+    Copies every tensor, so nothing done to the copy reaches ``model``."""
+    import copy
+
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict() if state_dict is None else state_dict
+    state = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
+    config = copy.deepcopy(model.config)
+    config.dtype = model.dtype  # what save_pretrained writes and dtype="auto" reads back
+    fresh = type(model).from_pretrained(  # the class AutoModelForCausalLM reads from the saved config
+        None,
+        config=config,
+        # the checkpoint's layout, as save_pretrained writes it: loading converts it like a file's
+        state_dict=revert_weight_conversion(model, state),
+        dtype="auto",
+        generation_config=model.generation_config,  # a saved directory carries the model's own
+    )
+    return fresh.eval()
+
+
 def load_hf(path: str | os.PathLike, dtype=None):
     """A saved model directory back as ``(model, tokenizer)`` (eval mode)."""
     import torch

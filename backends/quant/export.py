@@ -141,26 +141,36 @@ def export_w4a16(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Expo
     return ExportReport(layers=len(codes), weights_bytes=weights_bytes(out))
 
 
+def _round_and_export(
+    model, tokenizer, out_dir: str | Path, cfg: QuantizationConfig, for_engines: bool
+) -> ExportReport:
+    """Round-to-nearest int4 of the plain HF ``model`` (in its own dtype) as W4A16 in ``out_dir``;
+    consumes ``model``. ``for_engines`` (RL with INT4 rollouts): a tied head is written out, full
+    precision like the embedding, as the engines serve it (``backends.models.tied``); a user's export
+    keeps the tie."""
+    from backends.models.tied import add_explicit_head, tied_head
+    from backends.quant.fake_quant import quantize_rtn
+
+    pair = tied_head(model) if for_engines else None
+    embedding = model.get_input_embeddings().weight.detach().clone() if pair else None  # the export consumes the model
+    quantize_rtn(model, cfg)
+    report = export_w4a16(model, tokenizer, out_dir)
+    if pair is not None:
+        add_explicit_head(out_dir, pair, embedding)
+        report = ExportReport(report.layers, weights_bytes(out_dir))
+    return report
+
+
 def export_rtn(
     src_dir: str | Path, out_dir: str | Path, cfg: QuantizationConfig, for_engines: bool = False
 ) -> ExportReport:
     """Round-to-nearest int4 of the HF model in ``src_dir`` (kept in its saved dtype) as W4A16 in
-    ``out_dir``. For a model trained under fake-quant these are the codes it trained with.
-    ``for_engines`` (RL with INT4 rollouts): a tied head is written out, full precision like the
-    embedding, as the engines serve it (``backends.models.tied``); a user's export keeps the tie."""
+    ``out_dir`` (``for_engines``: see ``_round_and_export``). For a model trained under fake-quant
+    these are the codes it trained with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backends.models.tied import add_explicit_head, tied_head
-    from backends.quant.fake_quant import quantize_rtn
-
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype="auto").eval()
-    pair = tied_head(model) if for_engines else None
-    embedding = model.get_input_embeddings().weight.detach().clone() if pair else None  # the export consumes the model
-    quantize_rtn(model, cfg)
-    report = export_w4a16(model, AutoTokenizer.from_pretrained(src_dir), out_dir)
-    if pair is not None:
-        add_explicit_head(out_dir, pair, embedding)
-        report = ExportReport(report.layers, weights_bytes(out_dir))
+    report = _round_and_export(model, AutoTokenizer.from_pretrained(src_dir), out_dir, cfg, for_engines)
     return ExportReport(report.layers, report.weights_bytes, weights_bytes(src_dir))
 
 
@@ -176,17 +186,15 @@ def publish_int4(
     return report
 
 
-def export_version(save_full_precision, out_dir: Path, cfg: QuantizationConfig) -> ExportReport:
-    """One policy version for INT4 rollouts: ``save_full_precision(dir)`` writes the HF model (the
-    trainer's exporter, collective under ZeRO-3), which becomes the W4A16 checkpoint in ``out_dir``.
+def export_version(model, tokenizer, out_dir: Path, cfg: QuantizationConfig, state_dict=None) -> ExportReport:
+    """One policy version for INT4 rollouts: the learner's ``model`` (``state_dict``: ZeRO-3's
+    gathered tensors) as the W4A16 checkpoint in ``out_dir``, a tied head written out. Rounded in
+    memory: a plain copy on the CPU (``plain_copy``), never a full-precision directory on disk.
     Round-to-nearest of the master weights: under fake-quant (int4_qat) exactly the codes the
-    learner trained with."""
-    full = out_dir / ".full-precision"
-    save_full_precision(full)
-    try:
-        return export_rtn(full, out_dir, cfg, for_engines=True)
-    finally:
-        shutil.rmtree(full, ignore_errors=True)
+    learner trained with. The report has no ``source_bytes``: no full-precision files exist."""
+    from backends.models.loading import plain_copy
+
+    return _round_and_export(plain_copy(model, state_dict), tokenizer, out_dir, cfg, for_engines=True)
 
 
 def export_after_training(run_dir: str | Path, cfg: QuantizationConfig | None, dist, events, step: int) -> None:

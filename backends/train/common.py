@@ -71,6 +71,16 @@ class HFExporter:
         if self.dist.is_main:
             save_for_engines(self.engine.module, self.tokenizer, out_dir, state_dict=state_dict)
 
+    def int4_for_engines(self, out_dir: Path | None, cfg) -> None:
+        """One policy version for INT4 rollouts: the W4A16 export of the model, rounded in memory
+        on rank 0 (``backends.quant.export.export_version``). Collective under ZeRO-3: the other
+        ranks join the gather (``out_dir`` None there)."""
+        from backends.quant.export import export_version
+
+        state_dict = self._gathered()
+        if self.dist.is_main:
+            export_version(self.engine.module, self.tokenizer, out_dir, cfg, state_dict=state_dict)
+
     def adapter(self, out_dir: Path) -> None:
         """The PEFT adapter alone (adapter_config.json + adapter_model.safetensors), rank 0."""
         from backends.models.lora import save_adapter

@@ -14,6 +14,7 @@ that every rank joins while rank 0 writes (``HFExporter``); the learner's barrie
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -54,29 +55,18 @@ class NcclFirstVersionAsFiles:
         return self.sender.publish(version)
 
 
-def int4_writer(export, quant) -> Writer:
-    from backends.quant.export import export_version
-
-    def write(out: Path | None) -> None:
-        if out is None:  # another rank: the gather of the full-precision weights only
-            export.for_engines(None)
-        else:
-            export_version(export, out, quant)
-
-    return write
-
-
 def weight_publisher(
     weight_sync: str, exchange, dist, export, recipe, first_version: int, sender=None
 ) -> WeightPublisher:
     """The plan's transport as a publisher. ``export``: the learner's ``HFExporter`` (``for_engines``:
-    the HF model with a tied head written out; ``adapter``: the PEFT adapter). ``sender``: rank 0's
-    NCCL sender, None on other ranks or where it could not be set up (every version then goes as files)."""
+    the HF model with a tied head written out; ``int4_for_engines``: its W4A16 export; ``adapter``:
+    the PEFT adapter). ``sender``: rank 0's NCCL sender, None on other ranks or where it could not be
+    set up (every version then goes as files)."""
     collective = recipe.trainer.zero_stage == 3
     if weight_sync == "lora":
         return FilePublisher(exchange, dist, export.adapter, collective=False)
     if weight_sync == "int4":
-        return FilePublisher(exchange, dist, int4_writer(export, recipe.quantization), collective)
+        return FilePublisher(exchange, dist, partial(export.int4_for_engines, cfg=recipe.quantization), collective)
     files = FilePublisher(exchange, dist, export.for_engines, collective)
     if weight_sync == "nccl":
         return NcclFirstVersionAsFiles(sender, files, first_version)

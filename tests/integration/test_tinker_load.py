@@ -23,7 +23,7 @@ CLIENTS = 16
 
 def test_sixteen_clients_a_sigkill_and_a_restart(tiny_model_dir, tmp_path):
     report = run_load(
-        tiny_model_dir, tmp_path, clients=CLIENTS, load_s=35.0, recover_s=12.0, seed=0, replays=3, futures_limit=300
+        tiny_model_dir, tmp_path, clients=CLIENTS, load_s=22.0, recover_s=10.0, seed=0, replays=3, futures_limit=300
     )
     print("\n" + report.summary())
     assert not report.problems, report.summary()

@@ -1,9 +1,12 @@
 """After one real weight sync, do the engines serve the weights the trainer published?
 
-For tied and untied Llama, Qwen2 and Qwen3 models (built locally like the tiny model), each engine
-starts the way the RL stage starts it (from ``engine-model/``, ``backends.models.tied``), loads a
-moved policy published as the learner publishes it, and its prompt logprobs of a fixed sequence are
-compared with transformers' on those weights (``backends.inference.sync_check``).
+For tied and untied Llama, Qwen2 and Qwen3 models (built locally like the tiny model), an engine
+loads a moved policy published as the learner publishes it, and its prompt logprobs of a fixed
+sequence are compared with transformers' on those weights (``backends.inference.sync_check``).
+One engine per architecture and dtype serves both its cases: it starts the way the RL stage starts
+a tied model's engine (from ``engine-model/``, the untied copy, ``backends.models.tied``), and an
+untied model of the same architecture has the same shapes, so a sync replaces every weight either
+way (a head the engine kept from its start-up would show as a gap in both cases).
 
 Bounds (measured on this kind of machine): fp32 engines agree to ~1e-6 (asserted: 1e-4); bf16
 engines to ~8e-3 max, ~2e-3 mean (asserted: 2e-2 max; ``skyrl_contracts.health`` has the floors an
@@ -50,23 +53,27 @@ def build_model(out_dir: Path, arch: str, tied: bool) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Every case's engine, started together (their start-ups overlap), as ``case -> (url, model dir)``."""
+    """One engine per architecture and dtype, started together (their start-ups overlap) from the
+    tied model's ``engine-model/``, as ``case -> (url, model dir)``: both cases of a kind share it."""
     from backends.models.tied import write_untied_copy
     from skyrl_cli.launch.supervisor import Supervisor
     from skyrl_cli.plan.inference import engine_specs, engine_url
 
     root = tmp_path_factory.mktemp("sync-matrix")
+    models = {case: build_model(root / case_id(case) / "model", case[0], case[1]) for case in CASES}
+    kinds = sorted({(arch, dtype) for arch, _, dtype in CASES})
     machine = cpu_machine()
-    ports = free_ports(len(CASES))
-    specs, served = [], {}
-    for index, (case, port) in enumerate(zip(CASES, ports)):
-        model = build_model(root / case_id(case) / "model", case[0], case[1])
-        write_untied_copy(model, root / case_id(case) / "engine-model")
-        recipe = inference_recipe(engines=len(CASES), model={"dtype": case[2]})
+    ports = free_ports(len(kinds))
+    specs, urls = [], {}
+    for index, ((arch, dtype), port) in enumerate(zip(kinds, ports)):
+        engine_model = root / f"{arch}-{dtype}" / "engine-model"
+        write_untied_copy(models[(arch, True, dtype)], engine_model)
+        recipe = inference_recipe(engines=len(kinds), model={"dtype": dtype})
         spec = engine_specs(recipe, machine, ports, PLACEHOLDER)[index]
-        argv = tuple(str(root / case_id(case) / "engine-model") if a == PLACEHOLDER else a for a in spec.argv)
-        specs.append(spec.model_copy(update={"name": f"engine-{case_id(case)}", "argv": argv}))
-        served[case] = (engine_url(machine, port), model)
+        argv = tuple(str(engine_model) if a == PLACEHOLDER else a for a in spec.argv)
+        specs.append(spec.model_copy(update={"name": f"engine-{arch}-{dtype}", "argv": argv}))
+        urls[(arch, dtype)] = engine_url(machine, port)
+    served = {case: (urls[(case[0], case[2])], model) for case, model in models.items()}
     with Supervisor(root / "run") as supervisor:
         for spec in specs:
             supervisor.start(spec)

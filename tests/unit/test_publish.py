@@ -38,6 +38,9 @@ class Export:
     def for_engines(self, out):
         self.calls.append(("full", out))
 
+    def int4_for_engines(self, out, cfg):
+        self.calls.append(("int4", out))
+
     def adapter(self, out):
         self.calls.append(("adapter", out))
 
@@ -70,7 +73,9 @@ def test_nccl_sends_every_version_but_the_first_which_goes_as_files(tmp_path):
     assert fallback.publish(7) is None and exchange.published == [4, 7]
 
 
-@pytest.mark.parametrize("weight_sync, kind", [("disk", "full"), ("lora", "adapter"), ("nccl", "full")])
+@pytest.mark.parametrize(
+    "weight_sync, kind", [("disk", "full"), ("lora", "adapter"), ("nccl", "full"), ("int4", "int4")]
+)
 def test_the_plans_transport_picks_the_publisher(tmp_path, weight_sync, kind):
     export, exchange = Export(), Exchange(tmp_path)
     publisher = weight_publisher(weight_sync, exchange, rank(True), export, recipe(), 0, sender=None)

@@ -202,11 +202,9 @@ def test_export_needs_int4_layers(tmp_path, tok):
 
 def test_a_policy_version_for_int4_rollouts_is_the_rtn_export_of_the_fake_quant_learner(tmp_path, tok):
     """What the RL learner publishes with quantization.int4_rollouts: its master weights (under
-    fake-quant) saved by the trainer's exporter, as W4A16 whose codes are the ones it trained with;
-    the full-precision copy the exporter wrote is gone."""
+    fake-quant) as W4A16 whose codes are the ones it trained with, rounded in memory: nothing but
+    the export is written."""
     from transformers import AutoModelForCausalLM
-
-    from backends.models.loading import save_hf
 
     cfg = QuantizationConfig(int4_qat=True, int4_rollouts=True, group_size=32)
     learner = fake_quant.maybe_prepare_qat(tiny(tok, seed=5), cfg, say=lambda _: None)
@@ -215,9 +213,82 @@ def test_a_policy_version_for_int4_rollouts_is_the_rtn_export_of_the_fake_quant_
         fake_logits = learner(ids).logits
     out = tmp_path / "weights" / "v3"
     out.mkdir(parents=True)
-    report = export.export_version(lambda d: save_hf(learner, tok, d), out, cfg)
-    assert report.layers == 14 and 0 < report.size_ratio < 0.35
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    report = export.export_version(learner, tok, out, cfg)
+    assert report.layers == 14 and report.weights_bytes == export.weights_bytes(out)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_dir()) == ["v3", "weights"]
     served = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(served(ids).logits, fake_logits)
+        assert torch.equal(learner(ids).logits, fake_logits)  # the learner keeps its fake-quant layers
+
+
+def disk_round_trip(model, tok, out, cfg) -> None:
+    """The reference: a policy version as it was made before the rounding moved into memory, the
+    full-precision model saved (the trainer's exporter), read back and rounded."""
+    from backends.models.loading import save_hf
+
+    full = out.with_name(f"{out.name}-full-precision")
+    save_hf(model, tok, full)
+    export.export_rtn(full, out, cfg, for_engines=True)
+
+
+def files(out_dir) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out_dir.iterdir())}
+
+
+@pytest.mark.parametrize(
+    "tied, qat, dtype, gathered",
+    [
+        (True, False, torch.float32, False),
+        (False, False, torch.float32, False),
+        (True, True, torch.float32, False),
+        (False, True, torch.float32, False),
+        (True, True, torch.bfloat16, False),  # a DeepSpeed bf16 module
+        (True, True, torch.float32, True),  # ZeRO-3's gathered tensors, the shared one named once
+    ],
+)
+def test_the_in_memory_version_is_the_disk_round_trip_byte_for_byte(tmp_path, tok, tied, qat, dtype, gathered):
+    from backends.models.tokenizer import load_tokenizer
+
+    tok.save_pretrained(tmp_path / "tokenizer")
+    tok = load_tokenizer(str(tmp_path / "tokenizer"))  # the RL learner's: loaded from its init_from directory
+    cfg = QuantizationConfig(int4_qat=qat, int4_rollouts=True, group_size=32)
+    learner = tiny(tok, seed=7, init=INIT.model_copy(update={"tie_embeddings": tied})).to(dtype)
+    learner = fake_quant.maybe_prepare_qat(learner, cfg, say=lambda _: None)
+    if qat:
+        train_a_little(learner, steps=2)  # master weights off the random init
+    before = {n: t.clone() for n, t in learner.state_dict().items()}
+    state = learner.state_dict()
+    if gathered:
+        state.pop("lm_head.weight")
+    report = export.export_version(learner, tok, tmp_path / "memory", cfg, state_dict=state if gathered else None)
+    disk_round_trip(learner, tok, tmp_path / "disk", cfg)
+    in_memory, on_disk = files(tmp_path / "memory"), files(tmp_path / "disk")
+    assert sorted(in_memory) == sorted(on_disk) and ("untied-head.safetensors" in in_memory) == tied
+    assert [n for n in in_memory if in_memory[n] != on_disk[n]] == []
+    assert report.layers == 14 and report.weights_bytes == export.weights_bytes(tmp_path / "disk")
+    assert all(torch.equal(t, before[n]) for n, t in learner.state_dict().items())  # the learner is untouched
+
+
+class ZeRO3Engine:
+    """A ZeRO-3 engine as ``HFExporter`` sees it: its module, and the gather every rank joins,
+    whose full tensors only rank 0 receives."""
+
+    def __init__(self, module, main: bool):
+        self.module, self.main, self.gathers = module, main, 0
+
+    def _zero3_consolidated_16bit_state_dict(self):
+        self.gathers += 1
+        return self.module.state_dict() if self.main else {}
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_every_rank_joins_the_gather_of_an_int4_version_and_rank_0_alone_writes_it(tmp_path, tok, main):
+    from types import SimpleNamespace
+
+    from backends.train.common import HFExporter
+
+    engine = ZeRO3Engine(tiny(tok), main)
+    exporter = HFExporter(engine, tok, SimpleNamespace(is_main=main), zero_stage=3)
+    exporter.int4_for_engines(tmp_path / "v1" if main else None, QuantizationConfig(group_size=32))
+    assert engine.gathers == 1 and (tmp_path / "v1" / "config.json").is_file() == main
