@@ -10,8 +10,10 @@ the engine-vs-trainer logprob gap? Three RL runs per seed from the same SFT mode
 Runs the README's commands (``skyrl sft``, then ``skyrl rl`` with ``--set`` overrides) and prints
 per run the held-out accuracy before and after RL (the orchestrator's evaluation through the
 engines, i.e. of the INT4 policy where the engines serve INT4) and the mean of
-``train/logprob_diff`` over the steps (mean |engine logprob - trainer logprob| per token); last,
-the ratio of the gap with fake-quant on to off.
+``train/logprob_diff`` over the steps (mean |engine logprob - trainer logprob| per token), the
+step time (the run's training time over its steps: generation, training, weight sync with the
+INT4 re-export, evaluations) and the rollout tokens/s; last, the ratio of the gap with fake-quant
+on to off and of each INT4 variant's step time to the bf16 rollouts'.
 
     python benchmarks/bench_int4_rl.py                   # seed 0
     python benchmarks/bench_int4_rl.py --seeds 0 1 2
@@ -67,11 +69,14 @@ def one_seed(seed: int, args, out: Path) -> dict:
             "accuracy_final": summary.get("eval_accuracy_final"),
             "logprob_diff_mean": mean_event(run_dir, "train/logprob_diff"),
             "wall_s": summary.get("wall_s"),
+            "step_s": summary["training_s"] / summary["steps"],
+            "rollout_tokens_per_s": mean_event(run_dir, "rollout/tokens_per_s"),
         }
         r = runs[name]
         print(
             f"seed {seed} {name:22s} held-out accuracy {r['accuracy_initial']:.3f} -> {r['accuracy_final']:.3f}  "
-            f"mean logprob diff {r['logprob_diff_mean']:.4f}  {r['wall_s']:.0f} s",
+            f"mean logprob diff {r['logprob_diff_mean']:.4f}  step {r['step_s']:.2f} s  "
+            f"rollout {r['rollout_tokens_per_s']:.0f} tokens/s  {r['wall_s']:.0f} s",
             flush=True,
         )
     return {"seed": seed, "runs": runs}
@@ -92,6 +97,9 @@ def main(argv=None) -> None:
         for r in results
     ]
     print(f"logprob gap with INT4 rollouts, fake-quant on / off: {statistics.median(ratios):.2f}x (median over seeds)")
+    for name in list(VARIANTS)[1:]:
+        steps = [r["runs"][name]["step_s"] / r["runs"]["bf16 rollouts"]["step_s"] for r in results]
+        print(f"RL step time, {name} / bf16 rollouts: {statistics.median(steps):.2f}x (median over seeds)")
 
 
 if __name__ == "__main__":

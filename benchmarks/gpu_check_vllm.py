@@ -153,7 +153,26 @@ def run_vllm_stage(ctx) -> dict[str, str]:
             why = "one GPU: NCCL refuses two ranks of one group on one device" if gpus else "no CUDA"
             figures["weight sync (NCCL)"] = f"skipped ({why})"
     figures["tied round trip"] = tied_round_trip(ctx, engine_gpu)
+    figures["INT4 generation"] = int4_generation(ctx, engine_gpu)
     return figures
+
+
+def int4_generation(ctx, engine_gpu: int | None) -> str:
+    """INT4 (W4A16, group 128) against 16-bit generation tokens/s, same model and requests
+    (``benchmarks.bench_int4_speed``): a ~1B Llama on a GPU, where decoding at low concurrency is
+    bound by reading the weights; the 10M one on CPU, to exercise the path."""
+    import statistics
+
+    from benchmarks.bench_int4_speed import build_pair, run_side_by_side
+
+    size = "1B" if engine_gpu is not None else "10M"
+    full, int4, params = build_pair(size, ctx.tmp / "int4-speed", 128)
+    figures = run_side_by_side({"16bit": full, "int4": int4}, ctx.tmp / "int4-speed-run", [1, 32], 128, 3, engine_gpu)
+    ratios = []
+    for n in (1, 32):
+        quant, base = statistics.median(figures[("int4", n)]), statistics.median(figures[("16bit", n)])
+        ratios.append(f"concurrency {n}: {quant:,.0f} vs {base:,.0f} tokens/s ({quant / base:.2f}x)")
+    return f"{params / 1e9:.2f}B parameters, INT4 vs 16-bit: " + "; ".join(ratios)
 
 
 def tied_round_trip(ctx, engine_gpu: int | None) -> str:

@@ -494,8 +494,11 @@ class QuantizationConfig(Section):
         "keeps full-precision master weights (under fake-quant with int4_qat = true, which shrinks the engine-vs-"
         "trainer logprob gap). Each weight sync re-exports and reloads the INT4 weights.",
     )
-    group_size: Literal[32, 64, 128] = Field(
-        32, description="Quantization group size; must divide every target's input width."
+    group_size: Literal[32, 64, 128, "channel"] = Field(
+        32,
+        description="Input columns that share one scale: 32, 64 or 128 (must divide every target's input width), "
+        'or "channel": one scale per output row over the whole input width (per-channel, coarser: '
+        "smaller scales files, larger rounding errors).",
     )
     targets: tuple[str, ...] = Field(
         (ALL_LINEAR,),
@@ -506,6 +509,10 @@ class QuantizationConfig(Section):
         "sft",
         description='What skyrl quantize starts from: "sft" (this recipe\'s SFT output) or a checkpoint directory.',
     )
+
+    def divides(self, width: int) -> bool:
+        """Whether ``group_size`` fits a layer of input width ``width`` (per-channel fits any)."""
+        return self.group_size == "channel" or width % self.group_size == 0
 
     def selects(self, layer: str) -> bool:
         """Whether the Linear layer named ``layer`` (e.g. ``model.layers.0.mlp.down_proj``) is a target:

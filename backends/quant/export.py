@@ -57,25 +57,33 @@ def weights_bytes(model_dir: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
 
-def w4a16_config(group_size: int, ignore: list[str]):
-    """compressed-tensors' description of the export: int4 symmetric per-group weights of every
-    Linear layer not in ``ignore``, no activation quantization (W4A16)."""
+def w4a16_config(group_size: int | str, ignore: list[str]):
+    """compressed-tensors' description of the export: int4 symmetric weights, per group of
+    ``group_size`` input columns or per output row (``"channel"``), of every Linear layer not in
+    ``ignore``; no activation quantization (W4A16)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization import QuantizationConfig as CompressionConfig
 
-    weights = QuantizationArgs(
-        num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=True, dynamic=False
-    )
+    if group_size == "channel":
+        weights = QuantizationArgs(num_bits=4, type="int", strategy="channel", symmetric=True, dynamic=False)
+    else:
+        weights = QuantizationArgs(
+            num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=True, dynamic=False
+        )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     # "frozen": the scales are given (torchao's), not to be calibrated.
     return CompressionConfig(config_groups={"group_0": scheme}, ignore=ignore, quantization_status="frozen")
 
 
-def _group_size(codes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+def _group_size(codes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int | str:
+    """``"channel"`` where every layer has one scale per row, else the one group size of every
+    layer's codes."""
+    if all(s.shape[1] == 1 for _, s in codes.values()):
+        return "channel"
     sizes = {q.shape[1] // s.shape[1] for q, s in codes.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"layers quantized with different group sizes {sorted(sizes)}")
-    return sizes.pop()
+    if len(sizes) == 1:
+        return sizes.pop()
+    raise ValueError(f"layers quantized with different group sizes {sorted(sizes)}")
 
 
 def _dequantize(model: torch.nn.Module, codes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -1,6 +1,7 @@
 """INT4 weight-only fake quantization of a model's Linear layers, through torchao's QAT API.
 
-Symmetric, one scale per group of ``group_size`` input columns, int4 codes in [-8, 7], the
+Symmetric, one scale per group of ``group_size`` input columns (or per output row: ``"channel"``),
+int4 codes in [-8, 7], the
 straight-through estimator in the backward pass (torchao's ``FakeQuantizedLinear``). The scales
 are recomputed from the current weights at every forward (torchao's dynamic weight fake-quant), so
 round-to-nearest of the trained weights (``quantize_rtn``) gives the codes the model trained with:
@@ -32,17 +33,20 @@ def check_layers(layers: dict[str, torch.nn.Linear], cfg: QuantizationConfig) ->
     if not layers:
         raise ValueError(f"quantization.targets {list(cfg.targets)} select no Linear layer of the model")
     for name, layer in layers.items():
-        if layer.in_features % cfg.group_size:
+        if not cfg.divides(layer.in_features):
             raise ValueError(
                 f"quantization.group_size {cfg.group_size} does not divide the input width {layer.in_features} of {name}"
             )
 
 
-def weight_config(group_size: int):
+def weight_config(group_size: int | str):
+    """torchao's int4 weight-only config: ``PerGroup(g)``, or ``PerAxis(0)`` (one scale per output
+    row) for ``"channel"``."""
     from torchao.quantization import IntxWeightOnlyConfig
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
 
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+    granularity = PerAxis(0) if group_size == "channel" else PerGroup(group_size)
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity)
 
 
 def _quantize(model: torch.nn.Module, cfg: QuantizationConfig, config) -> list[str]:
@@ -84,8 +88,12 @@ def maybe_prepare_qat(model: torch.nn.Module, cfg: QuantizationConfig | None, sa
     if cfg is None or not cfg.int4_qat:
         return model
     names = prepare_qat(model, cfg)
-    say(f"INT4 fake-quant (group {cfg.group_size}) on {len(names)} Linear layers")
+    say(f"INT4 fake-quant ({granularity_name(cfg.group_size)}) on {len(names)} Linear layers")
     return model
+
+
+def granularity_name(group_size: int | str) -> str:
+    return "per channel" if group_size == "channel" else f"group {group_size}"
 
 
 def int4_codes(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -311,7 +311,7 @@ def _target_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
     bad: dict[int, list[str]] = {}
     for name, width in chosen.items():
         layer = name.rsplit(".", 1)[-1]
-        if width % quant.group_size and layer not in bad.setdefault(width, []):
+        if not quant.divides(width) and layer not in bad.setdefault(width, []):
             bad[width].append(layer)
     return [
         Problem(

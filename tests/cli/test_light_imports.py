@@ -53,10 +53,14 @@ def test_cli_imports_nothing_heavy(args):
         (("rl", "recipes/quickstart.toml", "--bogus"), "No such option: --bogus"),
         (("sft",), "Missing argument 'RECIPE'"),
         (("no-such-command",), "No such command 'no-such-command'"),
+        (("rll",), "Did you mean 'rl'?"),
+        (("rl", "recipes/quickstart.toml", "--dry-rn"), "Possible options: --dry-run"),
+        ((), "Usage: skyrl"),  # bare: the help, as a usage error
     ],
 )
 def test_usage_errors_of_the_console_script_are_usage_errors(args, says):
     """Exit 2 with click's message, not "internal error" (typer 0.29 vendors its own click)."""
     result = run_console_script(*args)
     assert result.code == 2, (result.code, result.err)
-    assert says in result.err and "internal error" not in result.err and "Traceback" not in result.err
+    shown = result.err + result.out  # bare `skyrl` shows its help on stdout
+    assert says in shown and "internal error" not in shown and "Traceback" not in shown

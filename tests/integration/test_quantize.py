@@ -43,7 +43,7 @@ def fake_quant_copy(model_dir, cfg):
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, tiny_model_dir):
-    """``{"qat-32": (fake-quant model, int4 dir), "ptq-128": ...}`` (method and group
+    """``{"qat-32": (fake-quant model, int4 dir), "ptq-channel": ...}`` (method and group
     size): QAT trains the pattern under fake-quant; PTQ rounds the pattern trained in full precision."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -62,7 +62,7 @@ def exports(tmp_path_factory, tiny_model_dir):
     full = train_pattern_policy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
     save_hf(full, tokenizer, root / "full")
     found = {}
-    for name, src, group in (("qat-32", root / "qat-final", 32), ("ptq-128", root / "full", 128)):
+    for name, src, group in (("qat-32", root / "qat-final", 32), ("ptq-channel", root / "full", "channel")):
         group_cfg = cfg.model_copy(update={"group_size": group})
         export_rtn(src, root / f"{name}-int4", group_cfg)
         found[name] = (fake_quant_copy(src, group_cfg), root / f"{name}-int4")
@@ -70,8 +70,9 @@ def exports(tmp_path_factory, tiny_model_dir):
 
 
 # QAT and PTQ go through the same export (export_rtn) and differ only in the weights rounded, so
-# the engine serves QAT at group 32 and PTQ at group 128: both origins, both group sizes.
-@pytest.mark.parametrize("export", ["qat-32", "ptq-128"])
+# the engine serves QAT per group of 32 and PTQ per channel: both origins, both of vLLM's
+# strategies (a group size is a number within one of them).
+@pytest.mark.parametrize("export", ["qat-32", "ptq-channel"])
 def test_vllm_serves_the_int4_export_with_the_fake_quant_greedy_output(exports, export, tmp_path):
     model, int4_dir = exports[export]
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]

@@ -97,6 +97,14 @@ def test_a_group_size_the_policy_cannot_take_is_refused(group):
     assert any(m.startswith("quantization.group_size:") for m in messages(r))
 
 
+def test_per_channel_quantization_takes_any_width():
+    r = recipe(
+        {"int4_rollouts": True, "group_size": "channel"},
+        model={"init": {"hidden_size": 48, "heads": 2}, "tokenizer": "char"},
+    )
+    assert not any(m.startswith("quantization.group_size:") for m in messages(r))
+
+
 def test_the_plan_states_the_start_order(tmp_path):
     """Setup, then the engines with the learner beside them (disk sync), the router, the orchestrator."""
     order = build_plan(recipe(None), "rl", tmp_path, machine=CPU2).start_order()

@@ -103,6 +103,11 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused(tok, hidden, group
         fake_quant.prepare_qat(model, QuantizationConfig(group_size=group_size))
 
 
+def test_per_channel_fits_any_width(tok):
+    model = tiny(tok, init=INIT.model_copy(update={"hidden_size": 96, "heads": 3}))
+    assert len(fake_quant.quantize_rtn(model, QuantizationConfig(group_size="channel"))) == 14
+
+
 def test_maybe_prepare_qat_is_off_unless_the_recipe_asks(tok):
     model = tiny(tok)
     assert fake_quant.maybe_prepare_qat(model, None) is model
@@ -137,7 +142,7 @@ def read_export(out_dir):
     }
 
 
-@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("group_size", [32, 64, "channel"])
 def test_export_of_a_qat_model_equals_its_fake_quant_bit_for_bit(tmp_path, tok, group_size):
     from transformers import AutoModelForCausalLM
 
@@ -169,7 +174,12 @@ def test_export_of_a_qat_model_equals_its_fake_quant_bit_for_bit(tmp_path, tok, 
         "compressed-tensors",
         ["lm_head"],
     )
-    assert qcfg["config_groups"]["group_0"]["weights"]["group_size"] == group_size
+    weights = qcfg["config_groups"]["group_0"]["weights"]
+    if group_size == "channel":  # one scale per output row, whatever the layer's width
+        assert (weights["strategy"], weights["group_size"]) == ("channel", None)
+        assert {s.shape[1] for _, s in exported.values()} == {1}
+    else:
+        assert (weights["strategy"], weights["group_size"]) == ("group", group_size)
     assert (tmp_path / "int4" / "tokenizer.json").is_file() and 0 < report.size_ratio < 0.35
 
 
