@@ -32,11 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name -> (hidden, layers, heads, intermediate): Llama shapes whose Linear widths the CPU INT4
-# kernel takes (multiples of 32) and whose head size vLLM serves (64).
+# name -> (hidden, layers, heads, intermediate): Llama shapes whose Linear widths group 128 divides
+# (vLLM's usual INT4 group; the CPU kernel needs multiples of 32) and whose head size vLLM serves.
 SIZES = {
-    "10M": (320, 6, 5, 1280),
-    "50M": (576, 10, 9, 2304),
+    "10M": (256, 10, 4, 1024),
+    "50M": (512, 12, 8, 2048),
     "120M": (768, 12, 12, 3072),
     "350M": (1024, 24, 16, 4096),
     "1B": (2048, 16, 16, 8192),  # the GPU check's (scripts/gpu-check.sh)
