@@ -91,7 +91,17 @@ async def _internal_error(request: Request, err: Exception):
 
 
 def create_app(service: TinkerService) -> FastAPI:
-    app = FastAPI(title="skyrl tinker", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
+    # No redirect of a trailing slash (FastAPI's 307 to the path without it): the SDK never sends
+    # one, and a 307 to an id with its slash cut off ("tinker://" -> "tinker:/") answered nothing;
+    # such a path is an unknown route, a 404 that names it.
+    app = FastAPI(
+        title="skyrl tinker",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=_lifespan,
+        redirect_slashes=False,
+    )
     app.state.service = service
     app.state.api = ApiContext(service)
     app.add_exception_handler(HttpError, _http_error)

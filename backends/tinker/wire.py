@@ -103,6 +103,7 @@ def _unzstd(body: bytes, max_bytes: int) -> bytes:
 
 
 _NP = {1: np.float32, 2: np.int64, 3: np.int32}
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _tensor(name: str, msg, tokens: int) -> np.ndarray:
@@ -176,8 +177,9 @@ def decode_forward_backward(
         which = value.WhichOneof("value")
         config[key] = value.text if which == "text" else float(value.number)
     for key, value in config.items():  # a NaN clip bound makes every loss and gradient NaN
-        if isinstance(value, float) and not math.isfinite(value):
-            raise WireError(f"loss_fn_config[{key!r}] is {value}: it must be a finite number")
+        # loss_fn_config_v2's numbers are doubles; the losses compute in float32, where 1e300 overflows
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise WireError(f"loss_fn_config[{key!r}] is {value}: it must be a finite number within float32's range")
     data = []
     for index, datum in enumerate(msg.data):
         tokens: list[int] = []
