@@ -141,6 +141,9 @@ class GoodClient(threading.Thread):
         raise AssertionError(f"future {rid} never finished")
 
     def round(self) -> None:
+        # as the SDK does: without heartbeats a search longer than tinker's session timeout (300 s;
+        # SKYRL_FUZZ_EXAMPLES=500) ended this client's session under it
+        self.post("/api/v1/session_heartbeat", json={"session_id": self.session_id, "type": "session_heartbeat"})
         fb = self.post("/api/v1/forward_backward", content=fb_body(self.model_id, self.seq, SEQ), headers=PROTO)
         opt = self.post(
             "/api/v1/optim_step",
