@@ -59,10 +59,14 @@ def metric_word(text: str) -> str:
 
 
 def process_created_at() -> float:
-    """This process's creation time (epoch seconds) from Linux's ``/proc``; elsewhere, now."""
+    """This process's creation time (epoch seconds) from Linux's ``/proc``; elsewhere, now. A warm
+    learner that an engine pool started long before the run counts from its hand-over instead
+    (``SKYRL_STARTED_AT``, set in the job's environment: ``skyrl_contracts.standby``)."""
     import os
     import time
 
+    if os.environ.get("SKYRL_STARTED_AT"):
+        return float(os.environ["SKYRL_STARTED_AT"])
     try:
         ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
         boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))

@@ -18,11 +18,21 @@ def up(
     recipe: common.RecipeArg,
     name: Annotated[Optional[str], typer.Option("--name", help="The pool's name (default: the recipe's name).")] = None,
     async_mode: AsyncOpt = False,
+    learner: Annotated[
+        bool,
+        typer.Option(
+            "--learner/--no-learner",
+            help="Also keep a warm learner (torchrun ranks with torch, DeepSpeed and transformers imported) for the runs.",
+        ),
+    ] = True,
     set_: common.SetOpt = None,
     dry_run: common.DryRunOpt = False,
     json_: common.JsonOpt = False,
 ) -> None:
-    """Start the engines and router of RECIPE's RL stage as a pool and return once they serve."""
+    """Start the engines and router of RECIPE's RL stage as a pool and return once they serve.
+
+    With a warm learner (the default) the pool also keeps the recipe's learner ranks started and
+    imported, so a run that fits skips the learner's start-up as well as the engines'."""
     from skyrl_cli.engines.pool import check_name, pools_dir, prepare_pool_dir, start_pool
     from skyrl_cli.plan.feasibility import assert_feasible
     from skyrl_cli.plan.machine import detect_machine
@@ -34,26 +44,31 @@ def up(
     assert_feasible(loaded, machine)
     pool_name = check_name(name or loaded.name)
     if dry_run:
-        common.print_plan(plan_pool(loaded, pools_dir() / pool_name, machine, async_mode), json_)
+        common.print_plan(plan_pool(loaded, pools_dir() / pool_name, machine, async_mode, learner), json_)
         return
     started = time.monotonic()
     path = prepare_pool_dir(pool_name)
-    plan = plan_pool(loaded, path, machine, async_mode)
-    pool = start_pool(plan, pool_name, loaded.name, model_signature(init_model_dir(loaded)))
+    plan = plan_pool(loaded, path, machine, async_mode, learner)
+    pool, learner_problem = start_pool(plan, pool_name, loaded.name, model_signature(init_model_dir(loaded)))
+    if learner_problem:
+        typer.echo(f"warning: {learner_problem}", err=True)
     if json_:
         typer.echo(json.dumps(pool.to_json()))
         return
+    warm = f", a warm learner of {pool.learner_ranks()} rank(s)" if pool.learner is not None else ""
     typer.echo(
-        f"engine pool {pool.name}: {len(pool.engines)} engine(s) {', '.join(pool.engine_urls)}, router {pool.router_url}, "
-        f"up in {time.monotonic() - started:.0f} s; skyrl rl uses it when it fits (skyrl engines down {pool.name} stops it)"
+        f"engine pool {pool.name}: {len(pool.engines)} engine(s) {', '.join(pool.engine_urls)}, router {pool.router_url}"
+        f"{warm}, up in {time.monotonic() - started:.0f} s; skyrl rl uses it when it fits "
+        f"(skyrl engines down {pool.name} stops it)"
     )
 
 
 def status(json_: common.JsonOpt = False) -> None:
-    """The pools on this machine: engines, router, health, the weights they serve, who uses them, since when."""
+    """The pools on this machine: engines, router, warm learner, health, the weights they serve, who uses them, since when."""
     from rich.console import Console
     from rich.table import Table
 
+    from skyrl_cli.engines.learner import state
     from skyrl_cli.engines.pool import health, list_pools, pools_dir, served_version
 
     pools = list_pools()
@@ -73,6 +88,7 @@ def status(json_: common.JsonOpt = False) -> None:
                     "pid": pool.router.pid,
                     "healthy": health(pool.router_url, "/liveness"),
                 },
+                "learner": state(pool.learner_dir, pool.learner_ranks()) if pool.learner is not None else "off",
                 "model": pool.served_model,
                 "weight_sync": pool.weight_sync,
                 "async": pool.async_mode,
@@ -88,7 +104,7 @@ def status(json_: common.JsonOpt = False) -> None:
         typer.echo(f"no engine pools (in {pools_dir()}); skyrl engines up RECIPE starts one")
         return
     table = Table(title="engine pools (skyrl engines down NAME stops one)")
-    for column in ("pool", "engines", "router", "serves", "in use by", "up since"):
+    for column in ("pool", "engines", "router", "learner", "serves", "in use by", "up since"):
         table.add_column(column, overflow="fold")
     for row in rows:
         engines = "\n".join(
@@ -96,7 +112,15 @@ def status(json_: common.JsonOpt = False) -> None:
         )
         router = f"{row['router']['url']} {'ok' if row['router']['healthy'] else 'DOWN'}"
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["since"]))
-        table.add_row(f"{row['name']} ({row['recipe']})", engines, router, row["model"], row["in_use_by"] or "-", since)
+        table.add_row(
+            f"{row['name']} ({row['recipe']})",
+            engines,
+            router,
+            row["learner"],
+            row["model"],
+            row["in_use_by"] or "-",
+            since,
+        )
     Console().print(table)
 
 

@@ -94,7 +94,12 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             common.print_plan(plan, json_)
             if not json_:
-                for line in [*not_fitting, f"using engine pool {pool.name} ({pool.path})" if pool else None]:
+                using = (
+                    f"using engine pool {pool.name} ({pool.path}); learner: {pool_learner_use(pool, plan)}"
+                    if pool
+                    else None
+                )
+                for line in [*not_fitting, using]:
                     if line:
                         typer.echo(line, err=True)
             return
@@ -110,6 +115,19 @@ def register(app: typer.Typer) -> None:
             typer.echo(final_line(summary, directory))
             if "health" in summary:
                 typer.echo(f"warning: {summary['health']['message']}", err=True)
+
+
+def pool_learner_use(pool, plan) -> str:
+    """For --dry-run: whether the run's learner would go to the pool's warm learner, and why not."""
+    from skyrl_cli.engines.learner import misfit, state
+
+    if pool.learner is None:
+        return "its own (the pool keeps no warm learner)"
+    (trainer,) = [p for p in plan.processes if p.role == "trainer"]
+    why = misfit(pool.learner.spec, trainer)
+    if why:
+        return f"its own (the pool's warm learner differs: {why})"
+    return f"the pool's warm learner, {state(pool.learner_dir, pool.learner_ranks())}"
 
 
 def held(pool, run_dir: Path):
@@ -292,7 +310,7 @@ def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, nodes: N
             progress.phase = f"loading the initial weights into engine pool {pool.name}"
             attach_checks(pool, recipe)
             for spec in order.beside_engines:  # the learner's start-up overlaps the weight load
-                supervisor.start(spec)
+                start_on_pool(supervisor, spec, pool)
             remote = [u for u in plan.engine_urls if u not in pool.engine_urls]
             stack = attach_inference(supervisor, pool, remote, directory, writer=writer, step_fn=step)
         try:  # the engine-recovery thread stops before the supervisor's teardown, also on Ctrl-C
@@ -314,6 +332,16 @@ def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, nodes: N
         finally:
             stack.stop()
     return run.summary or {}
+
+
+def start_on_pool(supervisor, spec, pool) -> None:
+    """A job beside a pool's engines: the learner goes to the pool's warm learner when it fits."""
+    from skyrl_cli.engines.learner import start_learner
+
+    if spec.role == "trainer" and pool.learner is not None:
+        start_learner(supervisor, spec, pool.learner.spec, pool.path)
+    else:
+        supervisor.start(spec)
 
 
 def attach_checks(pool, recipe) -> None:

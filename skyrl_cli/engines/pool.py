@@ -33,13 +33,15 @@ from typing import Any, Iterator
 
 import httpx
 
+from skyrl_cli.engines.learner import Generation, wait_warm
 from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, pid_alive
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
-from skyrl_cli.plan.pool import engine_signature, first_difference, model_signature, unpoolable
+from skyrl_cli.plan.pool import LEARNER_NAME, engine_signature, first_difference, model_signature, unpoolable
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import LaunchError, UsageError
 
 POOL_FILE = "pool.json"
+LEARNER_WARM_TIMEOUT_S = 300.0
 HOLDER_FILE = "holder.json"
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -82,6 +84,8 @@ class Pool:
     engines: list[PoolProcess]
     router: PoolProcess
     router_url: str
+    # The keeper of the pool's warm learner (skyrl_cli.engines.learner); None: runs start their own.
+    learner: PoolProcess | None = None
 
     @property
     def engine_urls(self) -> list[str]:
@@ -91,7 +95,18 @@ class Pool:
         return PoolAttachment(name=self.name, engine_urls=tuple(self.engine_urls), router_url=self.router_url)
 
     def processes(self) -> list[PoolProcess]:
+        """The engines and the router: what a run adopts and its engine recovery restarts."""
         return [*self.engines, self.router]
+
+    @property
+    def learner_dir(self) -> Path:
+        return self.path / LEARNER_NAME
+
+    def learner_ranks(self) -> int:
+        if self.learner is None:
+            return 0
+        argv = list(self.learner.spec.argv)
+        return int(argv[argv.index("--nproc-per-node") + 1])
 
     def alive(self) -> bool:
         """Some process of the pool still runs (a dead engine is the using run's to restart)."""
@@ -112,6 +127,7 @@ class Pool:
             "engines": [proc(p) for p in self.engines],
             "router": proc(self.router),
             "router_url": self.router_url,
+            "learner": proc(self.learner) if self.learner is not None else None,
         }
 
     @classmethod
@@ -133,6 +149,7 @@ class Pool:
             engines=[proc(d) for d in raw["engines"]],
             router=proc(raw["router"]),
             router_url=raw["router_url"],
+            learner=proc(raw["learner"]) if raw.get("learner") else None,
         )
 
     def write(self) -> None:
@@ -169,15 +186,20 @@ def get_pool(name: str, root: Path | None = None) -> Pool:
 # ------------------------------------------------------------------------------------------ up / down
 
 
-def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[str, Any]) -> Pool:
-    """Run the plan's setup job, start its engines and router detached, wait until they serve, and
-    write ``pool.json``. A failure stops what was started and raises ``LaunchError``."""
+def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[str, Any]) -> tuple[Pool, str | None]:
+    """Run the plan's setup job, start its engines and router detached, wait until they serve,
+    then the warm learner's keeper (when the plan has one) until its first generation is warm, and
+    write ``pool.json``. An engine or router failure stops what was started and raises
+    ``LaunchError``; a learner that does not get warm is stopped and said (the second value): the
+    pool serves without it, and runs start their own learners."""
     from backends.inference.weight_sync import run_blocking, set_weight_version
 
     path = Path(plan.run_dir)
     setup = [p for p in plan.processes if p.kind == "setup"]
     engines = [p for p in plan.processes if p.role == "engine"]
     (router,) = [p for p in plan.processes if p.role == "router"]
+    keepers = [p for p in plan.processes if p.role == "trainer"]
+    learner, learner_problem = None, None
     with Supervisor(path) as supervisor:
         try:
             for spec in setup:
@@ -188,6 +210,8 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
             run_blocking(set_weight_version(list(plan.engine_urls), "0"))
             started.append(supervisor.start(router, detached=True))
             supervisor.wait_ready([router.name])
+            for spec in keepers:
+                learner, learner_problem = start_learner_keeper(supervisor, spec, path)
         except BaseException:
             for proc in supervisor.processes.values():
                 if proc.detached:
@@ -206,9 +230,24 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
         engines=[PoolProcess(p.spec, p.popen.pid, str(p.log_path)) for p in started[:-1]],
         router=PoolProcess(started[-1].spec, started[-1].popen.pid, str(started[-1].log_path)),
         router_url=plan.router_url or "",
+        learner=learner,
     )
     pool.write()
-    return pool
+    return pool, learner_problem
+
+
+def start_learner_keeper(
+    supervisor: Supervisor, spec: ProcessSpec, path: Path
+) -> tuple[PoolProcess | None, str | None]:
+    """Start the warm learner's keeper detached and wait for its first generation's ranks."""
+    proc = supervisor.start(spec, detached=True)
+    argv = list(spec.argv)
+    ranks = int(argv[argv.index("--nproc-per-node") + 1])
+    why = wait_warm(path / LEARNER_NAME, ranks, LEARNER_WARM_TIMEOUT_S, lambda: proc.returncode is None)
+    if why is None:
+        return PoolProcess(proc.spec, proc.popen.pid, str(proc.log_path)), None
+    supervisor.stop(spec.name, grace_s=5.0)
+    return None, f"the warm learner did not start ({why}); runs on this pool start their own (log: {proc.log_path})"
 
 
 def prepare_pool_dir(name: str, root: Path | None = None) -> Path:
@@ -218,6 +257,7 @@ def prepare_pool_dir(name: str, root: Path | None = None) -> Path:
         old = Pool.read(path)
         if old.alive():
             raise UsageError(f"engine pool {name!r} is already up (skyrl engines down {name} first, or --name OTHER)")
+        stop_pool(old, force=True, grace_s=5.0)  # a learner keeper may outlive the engines
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
@@ -230,14 +270,17 @@ def stop_pool(pool: Pool, force: bool = False, grace_s: float = 10.0) -> None:
             f"engine pool {pool.name!r} is in use by the run in {holder.get('run_dir')} (pid {holder.get('pid')}); "
             "stop that run first, or pass --force"
         )
-    procs = [p for p in pool.processes() if p.alive()]
-    for proc in procs:
-        _signal_group(proc.pid, signal.SIGTERM)
+    pids = [p.pid for p in [*pool.processes(), *([pool.learner] if pool.learner else [])] if p.alive()]
+    generation = Generation.current(pool.learner_dir)
+    if generation is not None:  # the keeper's torchrun leads a session of its own
+        pids.append(generation.agent_pid)
+    for pid in pids:
+        _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while any(p.alive() for p in procs) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for proc in procs:
-        _signal_group(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        _signal_group(pid, signal.SIGKILL)
     shutil.rmtree(pool.path, ignore_errors=True)
 
 

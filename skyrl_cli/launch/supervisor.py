@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import httpx
 
@@ -113,6 +113,11 @@ def _shortened(text: str) -> str:
     return text[: end + 1] if end > TELLING_LINE_CHARS // 2 else text[: TELLING_LINE_CHARS - 3] + "..."
 
 
+def start_mark(spec: ProcessSpec) -> bytes:
+    """The line each start of a process writes into its log (``failure_message`` reads after the last)."""
+    return f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode()
+
+
 def exit_description(code: int) -> str:
     """How a process ended, for messages: ``was killed by SIGKILL`` or ``failed (exit code 1)``."""
     return f"was killed by {signal_name(-code)}" if code < 0 else f"failed (exit code {code})"
@@ -157,7 +162,7 @@ def failure_message(what: str, log_path: Path, lines: int = 20) -> str:
 @dataclass
 class ManagedProcess:
     spec: ProcessSpec
-    popen: "subprocess.Popen | AdoptedProcess"
+    popen: "subprocess.Popen | PopenLike"
     log_path: Path
     started_at: float
     detached: bool = False  # outlives the supervisor (an engine pool's)
@@ -165,6 +170,14 @@ class ManagedProcess:
     @property
     def returncode(self) -> int | None:
         return self.popen.poll()
+
+
+class PopenLike(Protocol):
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class AdoptedProcess:
@@ -274,7 +287,7 @@ class Supervisor:
                 raise LaunchError(f"process {spec.name!r} is already running")
             log_path = Path(log_path) if log_path is not None else self.logs_dir / f"{spec.name}.log"
             log = open(log_path, "ab", buffering=0)
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(spec.argv)}\n".encode())
+            log.write(start_mark(spec))
             env = child_env(self.base_env, spec.env)
             if env.get("TORCH_EXTENSIONS_DIR"):
                 self._extension_dirs.add(env["TORCH_EXTENSIONS_DIR"])
@@ -307,6 +320,24 @@ class Supervisor:
             proc = ManagedProcess(spec, AdoptedProcess(pid), Path(log_path), time.monotonic(), detached=True)
             self.processes[spec.name] = proc
             return proc
+
+    def take_over(
+        self, spec: ProcessSpec, popen: "PopenLike", log_path: Path, hand: Callable[[], None]
+    ) -> ManagedProcess:
+        """Make a process another command started run ``spec`` for this run (an engine pool's warm
+        learner, ``skyrl_cli.engines.learner``): ``hand()`` gives it the work. From then on it is
+        the run's own: torn down with it, and the reaper's if the driver is killed."""
+        with self._lock, deferred():
+            if self._closed:
+                raise LaunchError(f"not starting {spec.name}: the run is shutting down")
+            with open(log_path, "ab") as log:
+                log.write(start_mark(spec))
+                log.write(f"(run by the engine pool's warm learner, torchrun pid {popen.pid})\n".encode())
+            proc = ManagedProcess(spec, popen, Path(log_path), time.monotonic())
+            self._tell_reaper(f"+{popen.pid}")
+            self.processes[spec.name] = proc
+            hand()
+        return proc
 
     def _tell_reaper(self, line: str) -> None:
         if self._reaper is None or self._reaper.stdin is None:

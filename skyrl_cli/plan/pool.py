@@ -23,11 +23,14 @@ from skyrl_cli.plan.inference import engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.rl import engine_model_setup, inference_machine, init_model_dir, rl_weight_sync
-from skyrl_cli.plan.trainer import trainer_device
+from skyrl_cli.plan.trainer import trainer_device, trainer_resources, trainer_spec
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 
 POOL_STAGE = "pool"
+STANDBY_MODULE = "backends.train.standby"
+KEEPER_MODULE = "skyrl_cli.engines.learner_keeper"
+LEARNER_NAME = "learner"
 # Engine settings that differ between two plans of the same engines: where they listen, their
 # sampling seed, the model directory they boot from, the core they are pinned to, and whether they
 # die with the command that started them (a pool's do not).
@@ -49,8 +52,11 @@ def unpoolable(weight_sync: str) -> str | None:
     return None
 
 
-def plan_pool(recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode: bool = False) -> LaunchPlan:
-    """The setup job, engines and router of a pool in ``pool_dir``, for ``recipe``'s RL stage."""
+def plan_pool(
+    recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode: bool = False, learner: bool = True
+) -> LaunchPlan:
+    """The setup job, engines and router of a pool in ``pool_dir``, for ``recipe``'s RL stage, and
+    with ``learner`` the keeper of its warm learner (``learner_keeper_spec``)."""
     if recipe.rl is None:
         raise UsageError("skyrl engines up: the recipe has no [rl] section (a pool serves RL runs)")
     if recipe.inference.engines == 0:
@@ -73,6 +79,7 @@ def plan_pool(recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode:
     ]
     urls = [engine_url(inf_machine, p) for p in engine_ports]
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
+    keeper = (learner_keeper_spec(recipe, pool_dir, machine),) if learner else ()
     return LaunchPlan(
         stage=POOL_STAGE,
         run_dir=str(pool_dir),
@@ -80,9 +87,40 @@ def plan_pool(recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode:
         async_mode=async_mode,
         engine_urls=tuple(urls),
         router_url=engine_url(inf_machine, router_port),
-        processes=(*setup, *engines, router),
+        processes=(*setup, *engines, router, *keeper),
         weight_sync=weight_sync,
     )
+
+
+def learner_keeper_spec(recipe: Recipe, pool_dir: Path, machine: MachineFacts) -> ProcessSpec:
+    """The pool's learner keeper (``skyrl_cli.engines.learner_keeper``) around the standby's
+    torchrun, which is the recipe's own learner command with ``backends.train.standby`` as the
+    module: the same ranks, threads and devices a run of this recipe would start, so its runs fit
+    (``skyrl_cli.engines.learner.misfit``)."""
+    preload = [*(("--preload", "peft") if recipe.model.lora is not None else ())]
+    if recipe.quantization is not None and recipe.quantization.int4_qat:
+        preload += ["--preload", "torchao"]
+    torchrun = trainer_spec(
+        recipe,
+        pool_dir,
+        machine,
+        module=STANDBY_MODULE,
+        resources=trainer_resources(recipe, machine),
+        extra_args=preload,
+        name=LEARNER_NAME,
+    )
+    argv = (
+        machine.python,
+        "-m",
+        KEEPER_MODULE,
+        "--dir",
+        str(pool_dir / LEARNER_NAME),
+        "--pool",
+        str(pool_dir),
+        "--",
+        *torchrun.argv,
+    )
+    return torchrun.model_copy(update={"argv": argv, "kind": "service", "ports": ()})
 
 
 def detach(spec: ProcessSpec) -> ProcessSpec:

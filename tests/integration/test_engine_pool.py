@@ -1,6 +1,8 @@
 """Engine pools on the real stack: ``skyrl engines up``, then RL runs one after the other on the same
-engine processes, each on its own initial weights; a second run refused while one holds the pool;
-an engine killed mid-run restarted by the run, detached, and left to the pool.
+engine processes, each on its own initial weights and each with a fresh generation of the pool's
+warm learner; a second run refused while one holds the pool; an engine killed mid-run restarted by
+the run, detached, and left to the pool; a warm learner killed mid-run failing that run in one line
+and replaced by the pool.
 
 How a test knows the engines served the run's own model: in a sync run every step is on-policy, so
 the trainer's and the engines' logprobs of the same samples agree (``train/logprob_diff``) only if
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from skyrl_cli.launch.supervisor import pid_alive
 from tests.integration.cli_runs import ENV, SKYRL, events, run_skyrl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -120,10 +124,63 @@ def test_two_runs_one_after_the_other_use_the_same_engines_each_on_its_own_weigh
         assert "health" not in summary, summary["health"]  # no sync gap between trainer and engines
         gap = [v for step, v in events(workdir / run, "train/logprob_diff") if step == 1]
         assert gap and gap[0] < 0.05, f"{run}: the engines did not serve the run's own initial weights: {gap}"
-    # The runs left no process of theirs behind, and the pool serves on.
+    # Each run's learner was a warm generation of the pool's, a fresh one for each run.
+    agents = [warm_learner_pid(workdir / run) for run in ("r1", "r2")]
+    assert all(agents) and agents[0] != agents[1], agents
+    # r1's generation was warm from `engines up`: counted from the hand-over, nothing was left to
+    # import (r2's may still have been importing: the keeper starts it once r1 lets go of the pool).
+    log = (workdir / "r1" / "logs" / "trainer.log").read_text()
+    imports = float(re.search(r"learner ready: .*\(imports ([\d.]+) s", log).group(1))
+    assert imports < 2.0, log[-3000:]
+    # The runs left no process of theirs behind, and the pool serves on, with its next learner warm.
     status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
     assert status["in_use_by"] is None and all(e["healthy"] for e in status["engines"])
     assert status["router"]["healthy"]
+    assert not any(pid_alive(pid) for pid in agents)
+    wait_until_warm(workdir)
+
+
+def warm_learner_pid(run_dir: Path) -> int | None:
+    """The torchrun pid of the pool generation that ran this run's learner (its log says)."""
+    found = re.search(
+        r"run by the engine pool's warm learner, torchrun pid (\d+)", (run_dir / "logs" / "trainer.log").read_text()
+    )
+    return int(found.group(1)) if found else None
+
+
+def rank_of(pid: int) -> str | None:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    env = dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+    return env.get("RANK")
+
+
+def wait_until_warm(workdir: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
+        if status["learner"].startswith("warm"):
+            return
+        time.sleep(1)
+    raise AssertionError(f"the pool's next learner generation is not warm: {status['learner']}")
+
+
+def test_a_warm_learner_killed_mid_run_fails_that_run_in_one_line_and_the_pool_gets_a_new_one(workdir):
+    wait_until_warm(workdir)
+    env = {**ENV, "SKYRL_POOLS_DIR": str(workdir / "pools")}
+    argv = [str(SKYRL), "rl", "recipe.toml", "--run-dir", "r5", "--quiet", "--set", "rl.steps=40"]
+    run = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not events(workdir / "r5", "train/policy_loss") and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert run.poll() is None, "the run ended before its learner could be killed"
+    agent = warm_learner_pid(workdir / "r5")
+    workers = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout.split()
+    (rank,) = [int(pid) for pid in workers if rank_of(int(pid)) == "1"]
+    os.kill(rank, signal.SIGKILL)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1
+    assert f"error: the trainer failed (exit code 1): rank 1 (pid {rank}) was killed by SIGKILL" in err, err[-2000:]
+    wait_until_warm(workdir)  # the keeper replaced the generation once the run let go of the pool
 
 
 def test_a_second_run_is_refused_while_the_pool_is_in_use(workdir, monkeypatch):
