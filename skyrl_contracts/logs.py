@@ -60,7 +60,7 @@ def metric_word(text: str) -> str:
 
 def process_created_at() -> float:
     """This process's creation time (epoch seconds) from Linux's ``/proc``; elsewhere, now. A warm
-    learner that an engine pool started long before the run counts from its hand-over instead
+    process that an engine pool started long before the run counts from its hand-over instead
     (``SKYRL_STARTED_AT``, set in the job's environment: ``skyrl_contracts.standby``)."""
     import os
     import time

@@ -1,22 +1,24 @@
-"""A warm learner: how a run hands its learner job to an engine pool's standby torchrun group.
+"""Warm processes: how a run hands its learner and orchestrator jobs to an engine pool's standbys.
 
 A cold RL learner spends most of its start-up before its first line of work: torchrun imports
 torch, then every rank imports torch, DeepSpeed and transformers (12.5 of 16.2 s on 2 busy cores,
-benchmarks/RESULTS.md, #30). An engine pool keeps one learner generation warm: a torchrun group
-whose ranks have done those imports and wait for a job. A run that fits writes the job once; every
-rank takes it, moves its output to the run's log, and runs the learner's ``main`` as a fresh
+benchmarks/RESULTS.md, #30); the orchestrator imports transformers for its tokenizer (1-4 s). An
+engine pool keeps one generation of each warm: processes started as a run would start them,
+their imports done, waiting for a job. A run that fits writes the job once; the process (every
+rank of it) takes it, moves its output to the run's log, and runs the job's ``main`` as a fresh
 process would. The generation then ends with the job, and the pool's keeper starts the next one
-once the run has let go of the pool, so each run gets a learner no other run has touched.
+once the run has let go of the pool, so each run gets processes no other run has touched.
 
-Three sides share this folder, ``<pool>/learner/``, and only through these names (standard library
-only, as every contract in ``skyrl_contracts``):
+Three sides share a folder per warm process, ``<pool>/warm-learner/`` and
+``<pool>/warm-orchestrator/``, and only through these names (standard library only, as every
+contract in ``skyrl_contracts``):
 
-- the keeper (``skyrl_cli.engines.learner_keeper``) starts generation N in ``gen-<N>/``, records
-  it in ``current.json`` (``{"gen": N, "agent_pid": pid}``) and, when torchrun exits, its exit code
-  in ``gen-<N>/exit.json``;
-- each rank (``backends.train.standby``) marks ``ready-<rank>`` once its imports are done, waits
-  for ``job.json`` and marks ``taken-<rank>`` when it starts it;
-- the run (``skyrl_cli.engines.learner``) writes ``job.json`` (a ``Job``) exactly once.
+- the keeper (``skyrl_cli.engines.keeper``) starts generation N in ``gen-<N>/``, records it in
+  ``current.json`` (``{"gen": N, "agent_pid": pid}``) and, when the generation exits, its exit
+  code in ``gen-<N>/exit.json``;
+- each process or rank (``backends.standby``) marks ``ready-<rank>`` once its imports are done,
+  waits for ``job.json`` and marks ``taken-<rank>`` when it starts it;
+- the run (``skyrl_cli.engines.standby``) writes ``job.json`` (a ``Job``) exactly once.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ CURRENT_FILE = "current.json"
 JOB_FILE = "job.json"
 EXIT_FILE = "exit.json"
 AGENT_LOG = "agent.log"
-# The environment key that moves a warm learner's start-up clock to its hand-over: a rank's own
+# The environment key that moves a warm process's start-up clock to its hand-over: its own
 # creation time is the pool's, long before the run (skyrl_contracts.logs.process_created_at).
 STARTED_AT_ENV = "SKYRL_STARTED_AT"
 

@@ -18,11 +18,11 @@ def up(
     recipe: common.RecipeArg,
     name: Annotated[Optional[str], typer.Option("--name", help="The pool's name (default: the recipe's name).")] = None,
     async_mode: AsyncOpt = False,
-    learner: Annotated[
+    warm: Annotated[
         bool,
         typer.Option(
-            "--learner/--no-learner",
-            help="Also keep a warm learner (torchrun ranks with torch, DeepSpeed and transformers imported) for the runs.",
+            "--warm/--no-warm",
+            help="Also keep a warm learner and orchestrator (started, their imports done) for the runs.",
         ),
     ] = True,
     set_: common.SetOpt = None,
@@ -31,8 +31,8 @@ def up(
 ) -> None:
     """Start the engines and router of RECIPE's RL stage as a pool and return once they serve.
 
-    With a warm learner (the default) the pool also keeps the recipe's learner ranks started and
-    imported, so a run that fits skips the learner's start-up as well as the engines'."""
+    The pool also keeps the recipe's learner (its torchrun ranks) and orchestrator started and
+    imported (--no-warm: not), so a run that fits skips their start-up as well as the engines'."""
     from skyrl_cli.engines.pool import check_name, pools_dir, prepare_pool_dir, start_pool
     from skyrl_cli.plan.feasibility import assert_feasible
     from skyrl_cli.plan.machine import detect_machine
@@ -44,31 +44,30 @@ def up(
     assert_feasible(loaded, machine)
     pool_name = check_name(name or loaded.name)
     if dry_run:
-        common.print_plan(plan_pool(loaded, pools_dir() / pool_name, machine, async_mode, learner), json_)
+        common.print_plan(plan_pool(loaded, pools_dir() / pool_name, machine, async_mode, warm), json_)
         return
     started = time.monotonic()
     path = prepare_pool_dir(pool_name)
-    plan = plan_pool(loaded, path, machine, async_mode, learner)
-    pool, learner_problem = start_pool(plan, pool_name, loaded.name, model_signature(init_model_dir(loaded)))
-    if learner_problem:
-        typer.echo(f"warning: {learner_problem}", err=True)
+    plan = plan_pool(loaded, path, machine, async_mode, warm)
+    pool, problems = start_pool(plan, pool_name, loaded.name, model_signature(init_model_dir(loaded)))
+    for problem in problems:
+        typer.echo(f"warning: {problem}", err=True)
     if json_:
         typer.echo(json.dumps(pool.to_json()))
         return
-    warm = f", a warm learner of {pool.learner_ranks()} rank(s)" if pool.learner is not None else ""
+    kept = " and ".join(p.spec.name for p in pool.warm.values())
     typer.echo(
         f"engine pool {pool.name}: {len(pool.engines)} engine(s) {', '.join(pool.engine_urls)}, router {pool.router_url}"
-        f"{warm}, up in {time.monotonic() - started:.0f} s; skyrl rl uses it when it fits "
+        f"{', ' + kept if kept else ''}, up in {time.monotonic() - started:.0f} s; skyrl rl uses it when it fits "
         f"(skyrl engines down {pool.name} stops it)"
     )
 
 
 def status(json_: common.JsonOpt = False) -> None:
-    """The pools on this machine: engines, router, warm learner, health, the weights they serve, who uses them, since when."""
+    """The pools on this machine: engines, router, warm processes, health, the weights they serve, who uses them, since when."""
     from rich.console import Console
     from rich.table import Table
 
-    from skyrl_cli.engines.learner import state
     from skyrl_cli.engines.pool import health, list_pools, pools_dir, served_version
 
     pools = list_pools()
@@ -88,7 +87,7 @@ def status(json_: common.JsonOpt = False) -> None:
                     "pid": pool.router.pid,
                     "healthy": health(pool.router_url, "/liveness"),
                 },
-                "learner": state(pool.learner_dir, pool.learner_ranks()) if pool.learner is not None else "off",
+                "warm": {pool.warm[role].spec.name: s for role, s in pool.warm_state().items()},
                 "model": pool.served_model,
                 "weight_sync": pool.weight_sync,
                 "async": pool.async_mode,
@@ -104,7 +103,7 @@ def status(json_: common.JsonOpt = False) -> None:
         typer.echo(f"no engine pools (in {pools_dir()}); skyrl engines up RECIPE starts one")
         return
     table = Table(title="engine pools (skyrl engines down NAME stops one)")
-    for column in ("pool", "engines", "router", "learner", "serves", "in use by", "up since"):
+    for column in ("pool", "engines", "router", "warm", "serves", "in use by", "up since"):
         table.add_column(column, overflow="fold")
     for row in rows:
         engines = "\n".join(
@@ -116,7 +115,7 @@ def status(json_: common.JsonOpt = False) -> None:
             f"{row['name']} ({row['recipe']})",
             engines,
             router,
-            row["learner"],
+            "\n".join(f"{name.removeprefix('warm-')} {s}" for name, s in row["warm"].items()) or "-",
             row["model"],
             row["in_use_by"] or "-",
             since,

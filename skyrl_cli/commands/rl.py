@@ -94,11 +94,7 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             common.print_plan(plan, json_)
             if not json_:
-                using = (
-                    f"using engine pool {pool.name} ({pool.path}); learner: {pool_learner_use(pool, plan)}"
-                    if pool
-                    else None
-                )
+                using = f"using engine pool {pool.name} ({pool.path}); {pool_warm_use(pool, plan)}" if pool else None
                 for line in [*not_fitting, using]:
                     if line:
                         typer.echo(line, err=True)
@@ -117,17 +113,19 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"warning: {summary['health']['message']}", err=True)
 
 
-def pool_learner_use(pool, plan) -> str:
-    """For --dry-run: whether the run's learner would go to the pool's warm learner, and why not."""
-    from skyrl_cli.engines.learner import misfit, state
+def pool_warm_use(pool, plan) -> str:
+    """For --dry-run: which of the run's processes would go to the pool's warm ones, and why not."""
+    from skyrl_cli.engines.standby import misfit
 
-    if pool.learner is None:
-        return "its own (the pool keeps no warm learner)"
-    (trainer,) = [p for p in plan.processes if p.role == "trainer"]
-    why = misfit(pool.learner.spec, trainer)
-    if why:
-        return f"its own (the pool's warm learner differs: {why})"
-    return f"the pool's warm learner, {state(pool.learner_dir, pool.learner_ranks())}"
+    words = []
+    states = pool.warm_state()
+    for spec in plan.processes:
+        if spec.role not in ("trainer", "orchestrator"):
+            continue
+        keeper = pool.warm.get(spec.role)
+        why = "the pool keeps none" if keeper is None else misfit(keeper.spec, spec)
+        words.append(f"{spec.name}: " + (f"its own ({why})" if why else f"the pool's warm one ({states[spec.role]})"))
+    return "; ".join(words)
 
 
 def held(pool, run_dir: Path):
@@ -322,7 +320,7 @@ def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, nodes: N
                 **({"pool": pool.name} if pool is not None else {}),
             }
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
-                run_jobs(supervisor, plan, order, stack, run, progress, watch=nodes.watch if nodes else None)
+                run_jobs(supervisor, plan, order, stack, run, progress, watch=nodes.watch if nodes else None, pool=pool)
                 progress.phase = "publishing the final model"
                 publish_final_model(run_dir)
                 if publish_final_int4(run_dir, recipe):
@@ -335,11 +333,12 @@ def _run_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, nodes: N
 
 
 def start_on_pool(supervisor, spec, pool) -> None:
-    """A job beside a pool's engines: the learner goes to the pool's warm learner when it fits."""
-    from skyrl_cli.engines.learner import start_learner
+    """A run's process on a pool: the learner and the orchestrator go to the pool's warm ones
+    when they fit (``skyrl_cli.engines.standby``), everything else starts."""
+    from skyrl_cli.engines.standby import start_warm
 
-    if spec.role == "trainer" and pool.learner is not None:
-        start_learner(supervisor, spec, pool.learner.spec, pool.path)
+    if pool is not None and spec.role in pool.warm:
+        start_warm(supervisor, spec, pool.warm[spec.role].spec, pool.warm_folder(spec.role))
     else:
         supervisor.start(spec)
 
@@ -360,9 +359,9 @@ def run_setup_jobs(supervisor, setup, progress) -> None:
         supervisor.wait_jobs([spec.name])
 
 
-def run_jobs(supervisor, plan, order, stack, run, progress, watch=None) -> None:
-    """Start the orchestrator and the learner and wait for both: the first one to fail (or be
-    killed) raises ``LaunchError`` at once, naming it and its log."""
+def run_jobs(supervisor, plan, order, stack, run, progress, watch=None, pool=None) -> None:
+    """Start the orchestrator and the learner (on a pool, its warm ones when they fit) and wait for
+    both: the first one to fail (or be killed) raises ``LaunchError`` at once, naming it and its log."""
     from skyrl_contracts.errors import LaunchError
 
     def tick() -> None:
@@ -378,7 +377,7 @@ def run_jobs(supervisor, plan, order, stack, run, progress, watch=None) -> None:
 
     jobs = [p.name for p in (*order.beside_engines, *order.after_router) if p.kind == "job"]
     for spec in order.after_router:
-        supervisor.start(spec)
+        start_on_pool(supervisor, spec, pool)
     # Engines and the router that die come back (stack.recovery); without it the router may not die.
     fatal = [] if stack.recovery is not None else [p.name for p in plan.processes if p.role == "router"]
     supervisor.wait_jobs(jobs, on_tick=tick, fatal_services=fatal)

@@ -27,21 +27,22 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 
-from skyrl_cli.engines.learner import Generation, wait_warm
+from skyrl_cli.engines.standby import Generation, ranks_of, state, wait_warm
 from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, pid_alive
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
-from skyrl_cli.plan.pool import LEARNER_NAME, engine_signature, first_difference, model_signature, unpoolable
+from skyrl_cli.plan.pool import engine_signature, first_difference, model_signature, unpoolable
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import LaunchError, UsageError
 
 POOL_FILE = "pool.json"
-LEARNER_WARM_TIMEOUT_S = 300.0
+WARM_TIMEOUT_S = 300.0
 HOLDER_FILE = "holder.json"
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -84,8 +85,9 @@ class Pool:
     engines: list[PoolProcess]
     router: PoolProcess
     router_url: str
-    # The keeper of the pool's warm learner (skyrl_cli.engines.learner); None: runs start their own.
-    learner: PoolProcess | None = None
+    # The keepers of the pool's warm processes (skyrl_cli.engines.standby), by the role of the run's
+    # process each takes over ("trainer", "orchestrator"); a role without one starts its own.
+    warm: dict[str, PoolProcess] = field(default_factory=dict)
 
     @property
     def engine_urls(self) -> list[str]:
@@ -98,19 +100,16 @@ class Pool:
         """The engines and the router: what a run adopts and its engine recovery restarts."""
         return [*self.engines, self.router]
 
-    @property
-    def learner_dir(self) -> Path:
-        return self.path / LEARNER_NAME
-
-    def learner_ranks(self) -> int:
-        if self.learner is None:
-            return 0
-        argv = list(self.learner.spec.argv)
-        return int(argv[argv.index("--nproc-per-node") + 1])
-
     def alive(self) -> bool:
         """Some process of the pool still runs (a dead engine is the using run's to restart)."""
         return any(p.alive() for p in self.processes())
+
+    def warm_folder(self, role: str) -> Path:
+        return self.path / self.warm[role].spec.name
+
+    def warm_state(self) -> dict[str, str]:
+        """Each warm process's state for ``skyrl engines status``: {"trainer": "warm", ...}."""
+        return {role: state(self.warm_folder(role), ranks_of(p.spec)) for role, p in self.warm.items()}
 
     def to_json(self) -> dict[str, Any]:
         def proc(p: PoolProcess) -> dict[str, Any]:
@@ -127,7 +126,7 @@ class Pool:
             "engines": [proc(p) for p in self.engines],
             "router": proc(self.router),
             "router_url": self.router_url,
-            "learner": proc(self.learner) if self.learner is not None else None,
+            "warm": {role: proc(p) for role, p in self.warm.items()},
         }
 
     @classmethod
@@ -149,7 +148,7 @@ class Pool:
             engines=[proc(d) for d in raw["engines"]],
             router=proc(raw["router"]),
             router_url=raw["router_url"],
-            learner=proc(raw["learner"]) if raw.get("learner") else None,
+            warm={role: proc(d) for role, d in raw.get("warm", {}).items()},
         )
 
     def write(self) -> None:
@@ -186,20 +185,19 @@ def get_pool(name: str, root: Path | None = None) -> Pool:
 # ------------------------------------------------------------------------------------------ up / down
 
 
-def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[str, Any]) -> tuple[Pool, str | None]:
+def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[str, Any]) -> tuple[Pool, list[str]]:
     """Run the plan's setup job, start its engines and router detached, wait until they serve,
-    then the warm learner's keeper (when the plan has one) until its first generation is warm, and
-    write ``pool.json``. An engine or router failure stops what was started and raises
-    ``LaunchError``; a learner that does not get warm is stopped and said (the second value): the
-    pool serves without it, and runs start their own learners."""
+    then the keepers of its warm processes (when the plan has them) until their first generations
+    are warm, and write ``pool.json``. An engine or router failure stops what was started and
+    raises ``LaunchError``; a warm process that does not get warm is stopped and said (the second
+    value: one line each): the pool serves without it, and runs start their own."""
     from backends.inference.weight_sync import run_blocking, set_weight_version
 
     path = Path(plan.run_dir)
     setup = [p for p in plan.processes if p.kind == "setup"]
     engines = [p for p in plan.processes if p.role == "engine"]
     (router,) = [p for p in plan.processes if p.role == "router"]
-    keepers = [p for p in plan.processes if p.role == "trainer"]
-    learner, learner_problem = None, None
+    keepers = [p for p in plan.processes if p.role in ("trainer", "orchestrator")]
     with Supervisor(path) as supervisor:
         try:
             for spec in setup:
@@ -208,10 +206,9 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
             started = [supervisor.start(spec, detached=True) for spec in engines]
             supervisor.wait_ready([p.spec.name for p in started])
             run_blocking(set_weight_version(list(plan.engine_urls), "0"))
-            started.append(supervisor.start(router, detached=True))
+            router_proc = supervisor.start(router, detached=True)
             supervisor.wait_ready([router.name])
-            for spec in keepers:
-                learner, learner_problem = start_learner_keeper(supervisor, spec, path)
+            warm, problems = start_keepers(supervisor, keepers, path)
         except BaseException:
             for proc in supervisor.processes.values():
                 if proc.detached:
@@ -227,27 +224,34 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
         weight_sync=plan.weight_sync or "disk",
         served_model=served[served.index("backends.inference.serve") + 1],
         model_signature=model_sig,
-        engines=[PoolProcess(p.spec, p.popen.pid, str(p.log_path)) for p in started[:-1]],
-        router=PoolProcess(started[-1].spec, started[-1].popen.pid, str(started[-1].log_path)),
+        engines=[PoolProcess(p.spec, p.popen.pid, str(p.log_path)) for p in started],
+        router=PoolProcess(router_proc.spec, router_proc.popen.pid, str(router_proc.log_path)),
         router_url=plan.router_url or "",
-        learner=learner,
+        warm=warm,
     )
     pool.write()
-    return pool, learner_problem
+    return pool, problems
 
 
-def start_learner_keeper(
-    supervisor: Supervisor, spec: ProcessSpec, path: Path
-) -> tuple[PoolProcess | None, str | None]:
-    """Start the warm learner's keeper detached and wait for its first generation's ranks."""
-    proc = supervisor.start(spec, detached=True)
-    argv = list(spec.argv)
-    ranks = int(argv[argv.index("--nproc-per-node") + 1])
-    why = wait_warm(path / LEARNER_NAME, ranks, LEARNER_WARM_TIMEOUT_S, lambda: proc.returncode is None)
-    if why is None:
-        return PoolProcess(proc.spec, proc.popen.pid, str(proc.log_path)), None
-    supervisor.stop(spec.name, grace_s=5.0)
-    return None, f"the warm learner did not start ({why}); runs on this pool start their own (log: {proc.log_path})"
+def start_keepers(
+    supervisor: Supervisor, keepers: list[ProcessSpec], path: Path
+) -> tuple[dict[str, PoolProcess], list[str]]:
+    """Start the warm processes' keepers detached (their imports overlap), wait for each first
+    generation; the ones that got warm by role, and a line for each that did not (stopped)."""
+    warm, problems = {}, []
+    started = [supervisor.start(spec, detached=True) for spec in keepers]
+    for proc in started:
+        why = wait_warm(path / proc.spec.name, ranks_of(proc.spec), WARM_TIMEOUT_S, partial(keeper_running, proc))
+        if why is None:
+            warm[proc.spec.role] = PoolProcess(proc.spec, proc.popen.pid, str(proc.log_path))
+        else:
+            supervisor.stop(proc.spec.name, grace_s=5.0)
+            problems.append(f"{proc.spec.name} did not start ({why}); runs start their own (log: {proc.log_path})")
+    return warm, problems
+
+
+def keeper_running(proc: ManagedProcess) -> bool:
+    return proc.returncode is None
 
 
 def prepare_pool_dir(name: str, root: Path | None = None) -> Path:
@@ -257,7 +261,7 @@ def prepare_pool_dir(name: str, root: Path | None = None) -> Path:
         old = Pool.read(path)
         if old.alive():
             raise UsageError(f"engine pool {name!r} is already up (skyrl engines down {name} first, or --name OTHER)")
-        stop_pool(old, force=True, grace_s=5.0)  # a learner keeper may outlive the engines
+        stop_pool(old, force=True, grace_s=5.0)  # a warm process's keeper may outlive the engines
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
@@ -270,10 +274,11 @@ def stop_pool(pool: Pool, force: bool = False, grace_s: float = 10.0) -> None:
             f"engine pool {pool.name!r} is in use by the run in {holder.get('run_dir')} (pid {holder.get('pid')}); "
             "stop that run first, or pass --force"
         )
-    pids = [p.pid for p in [*pool.processes(), *([pool.learner] if pool.learner else [])] if p.alive()]
-    generation = Generation.current(pool.learner_dir)
-    if generation is not None:  # the keeper's torchrun leads a session of its own
-        pids.append(generation.agent_pid)
+    pids = [p.pid for p in [*pool.processes(), *pool.warm.values()] if p.alive()]
+    for role in pool.warm:
+        generation = Generation.current(pool.warm_folder(role))
+        if generation is not None:  # a keeper's generation leads a session of its own
+            pids.append(generation.agent_pid)
     for pid in pids:
         _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s

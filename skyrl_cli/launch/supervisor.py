@@ -325,14 +325,14 @@ class Supervisor:
         self, spec: ProcessSpec, popen: "PopenLike", log_path: Path, hand: Callable[[], None]
     ) -> ManagedProcess:
         """Make a process another command started run ``spec`` for this run (an engine pool's warm
-        learner, ``skyrl_cli.engines.learner``): ``hand()`` gives it the work. From then on it is
+        learner or orchestrator, ``skyrl_cli.engines.standby``): ``hand()`` gives it the work. From then on it is
         the run's own: torn down with it, and the reaper's if the driver is killed."""
         with self._lock, deferred():
             if self._closed:
                 raise LaunchError(f"not starting {spec.name}: the run is shutting down")
             with open(log_path, "ab") as log:
                 log.write(start_mark(spec))
-                log.write(f"(run by the engine pool's warm learner, torchrun pid {popen.pid})\n".encode())
+                log.write(f"(run by a warm process of the engine pool, pid {popen.pid})\n".encode())
             proc = ManagedProcess(spec, popen, Path(log_path), time.monotonic())
             self._tell_reaper(f"+{popen.pid}")
             self.processes[spec.name] = proc

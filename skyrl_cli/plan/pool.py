@@ -22,15 +22,16 @@ from typing import Any
 from skyrl_cli.plan.inference import engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
-from skyrl_cli.plan.rl import engine_model_setup, inference_machine, init_model_dir, rl_weight_sync
+from skyrl_cli.plan.rl import ORCHESTRATOR_ENV, engine_model_setup, inference_machine, init_model_dir, rl_weight_sync
 from skyrl_cli.plan.trainer import trainer_device, trainer_resources, trainer_spec
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 
 POOL_STAGE = "pool"
-STANDBY_MODULE = "backends.train.standby"
-KEEPER_MODULE = "skyrl_cli.engines.learner_keeper"
-LEARNER_NAME = "learner"
+STANDBY_MODULE = "backends.standby"
+KEEPER_MODULE = "skyrl_cli.engines.keeper"
+# The pool's warm processes: keeper name (its folder and log in the pool) per role of a run's process.
+WARM_NAMES = {"trainer": "warm-learner", "orchestrator": "warm-orchestrator"}
 # Engine settings that differ between two plans of the same engines: where they listen, their
 # sampling seed, the model directory they boot from, the core they are pinned to, and whether they
 # die with the command that started them (a pool's do not).
@@ -53,10 +54,10 @@ def unpoolable(weight_sync: str) -> str | None:
 
 
 def plan_pool(
-    recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode: bool = False, learner: bool = True
+    recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode: bool = False, warm: bool = True
 ) -> LaunchPlan:
     """The setup job, engines and router of a pool in ``pool_dir``, for ``recipe``'s RL stage, and
-    with ``learner`` the keeper of its warm learner (``learner_keeper_spec``)."""
+    with ``warm`` the keepers of its warm learner and orchestrator (``warm_keeper_specs``)."""
     if recipe.rl is None:
         raise UsageError("skyrl engines up: the recipe has no [rl] section (a pool serves RL runs)")
     if recipe.inference.engines == 0:
@@ -79,7 +80,7 @@ def plan_pool(
     ]
     urls = [engine_url(inf_machine, p) for p in engine_ports]
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
-    keeper = (learner_keeper_spec(recipe, pool_dir, machine),) if learner else ()
+    keepers = warm_keeper_specs(recipe, pool_dir, machine) if warm else ()
     return LaunchPlan(
         stage=POOL_STAGE,
         run_dir=str(pool_dir),
@@ -87,40 +88,51 @@ def plan_pool(
         async_mode=async_mode,
         engine_urls=tuple(urls),
         router_url=engine_url(inf_machine, router_port),
-        processes=(*setup, *engines, router, *keeper),
+        processes=(*setup, *engines, router, *keepers),
         weight_sync=weight_sync,
     )
 
 
-def learner_keeper_spec(recipe: Recipe, pool_dir: Path, machine: MachineFacts) -> ProcessSpec:
-    """The pool's learner keeper (``skyrl_cli.engines.learner_keeper``) around the standby's
-    torchrun, which is the recipe's own learner command with ``backends.train.standby`` as the
-    module: the same ranks, threads and devices a run of this recipe would start, so its runs fit
-    (``skyrl_cli.engines.learner.misfit``)."""
-    preload = [*(("--preload", "peft") if recipe.model.lora is not None else ())]
+def warm_keeper_specs(recipe: Recipe, pool_dir: Path, machine: MachineFacts) -> tuple[ProcessSpec, ProcessSpec]:
+    """The keepers (``skyrl_cli.engines.keeper``) of the pool's warm learner and orchestrator
+    (``backends.standby``). The learner's is the recipe's own torchrun command with the standby as
+    its module, the orchestrator's the plain interpreter with the orchestrator's environment: each
+    started as a run of this recipe would start it, so its runs fit (``skyrl_cli.engines.standby``)."""
+    preload = ["--preload", "peft"] if recipe.model.lora is not None else []
     if recipe.quantization is not None and recipe.quantization.int4_qat:
         preload += ["--preload", "torchao"]
-    torchrun = trainer_spec(
+    learner = trainer_spec(
         recipe,
         pool_dir,
         machine,
         module=STANDBY_MODULE,
         resources=trainer_resources(recipe, machine),
-        extra_args=preload,
-        name=LEARNER_NAME,
+        extra_args=("--kind", "learner", *preload),
+        name=WARM_NAMES["trainer"],
     )
+    orchestrator = ProcessSpec(
+        name=WARM_NAMES["orchestrator"],
+        role="orchestrator",
+        argv=(machine.python, "-m", STANDBY_MODULE, "--kind", "orchestrator"),
+        env=dict(ORCHESTRATOR_ENV),
+    )
+    return keeper_of(learner, pool_dir, machine), keeper_of(orchestrator, pool_dir, machine)
+
+
+def keeper_of(standby: ProcessSpec, pool_dir: Path, machine: MachineFacts) -> ProcessSpec:
+    """The keeper that runs ``standby``'s command, generation after generation, in ``pool_dir/<name>``."""
     argv = (
         machine.python,
         "-m",
         KEEPER_MODULE,
         "--dir",
-        str(pool_dir / LEARNER_NAME),
+        str(pool_dir / standby.name),
         "--pool",
         str(pool_dir),
         "--",
-        *torchrun.argv,
+        *standby.argv,
     )
-    return torchrun.model_copy(update={"argv": argv, "kind": "service", "ports": ()})
+    return standby.model_copy(update={"argv": argv, "kind": "service", "ports": (), "start_with_engines": False})
 
 
 def detach(spec: ProcessSpec) -> ProcessSpec:

@@ -29,6 +29,12 @@ from skyrl_contracts.schema import Recipe
 
 ORCHESTRATOR_NAME = "orchestrator"
 LEARNER_MODULE = "backends.train.rl_learner"
+ORCHESTRATOR_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def init_model_dir(recipe: Recipe, runs_root: Path | None = None) -> Path:
@@ -91,8 +97,9 @@ def orchestrator_spec(
         argv.append("--fresh")
     if recipe_dir is not None:
         argv += ["--import-path", str(recipe_dir)]
-    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    return ProcessSpec(name=ORCHESTRATOR_NAME, role="orchestrator", argv=tuple(argv), env=env, kind="job")
+    return ProcessSpec(
+        name=ORCHESTRATOR_NAME, role="orchestrator", argv=tuple(argv), env=dict(ORCHESTRATOR_ENV), kind="job"
+    )
 
 
 ENGINE_MODEL_JOB = "engine-model"

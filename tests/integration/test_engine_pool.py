@@ -124,14 +124,15 @@ def test_two_runs_one_after_the_other_use_the_same_engines_each_on_its_own_weigh
         assert "health" not in summary, summary["health"]  # no sync gap between trainer and engines
         gap = [v for step, v in events(workdir / run, "train/logprob_diff") if step == 1]
         assert gap and gap[0] < 0.05, f"{run}: the engines did not serve the run's own initial weights: {gap}"
-    # Each run's learner was a warm generation of the pool's, a fresh one for each run.
-    agents = [warm_learner_pid(workdir / run) for run in ("r1", "r2")]
-    assert all(agents) and agents[0] != agents[1], agents
+    # Each run's learner and orchestrator were warm generations of the pool's, fresh ones for each run.
+    agents = [warm_pid(workdir / run, process) for run in ("r1", "r2") for process in ("trainer", "orchestrator")]
+    assert all(agents) and len(set(agents)) == 4, agents
     # r1's generation was warm from `engines up`: counted from the hand-over, nothing was left to
     # import (r2's may still have been importing: the keeper starts it once r1 lets go of the pool).
-    log = (workdir / "r1" / "logs" / "trainer.log").read_text()
-    imports = float(re.search(r"learner ready: .*\(imports ([\d.]+) s", log).group(1))
-    assert imports < 2.0, log[-3000:]
+    for process, ready in (("trainer", "learner ready: "), ("orchestrator", "orchestrator ready ")):
+        log = (workdir / "r1" / "logs" / f"{process}.log").read_text()
+        imports = float(re.search(ready + r".*\(imports ([\d.]+) s", log).group(1))
+        assert imports < 2.0, log[-3000:]
     # The runs left no process of theirs behind, and the pool serves on, with its next learner warm.
     status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
     assert status["in_use_by"] is None and all(e["healthy"] for e in status["engines"])
@@ -140,10 +141,10 @@ def test_two_runs_one_after_the_other_use_the_same_engines_each_on_its_own_weigh
     wait_until_warm(workdir)
 
 
-def warm_learner_pid(run_dir: Path) -> int | None:
-    """The torchrun pid of the pool generation that ran this run's learner (its log says)."""
+def warm_pid(run_dir: Path, process: str = "trainer") -> int | None:
+    """The pid of the pool generation that ran this run's process (torchrun's for the learner: its log says)."""
     found = re.search(
-        r"run by the engine pool's warm learner, torchrun pid (\d+)", (run_dir / "logs" / "trainer.log").read_text()
+        r"run by a warm process of the engine pool, pid (\d+)", (run_dir / "logs" / f"{process}.log").read_text()
     )
     return int(found.group(1)) if found else None
 
@@ -158,10 +159,10 @@ def wait_until_warm(workdir: Path, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
-        if status["learner"].startswith("warm"):
+        if status["warm"] and all(state == "warm" for state in status["warm"].values()):
             return
         time.sleep(1)
-    raise AssertionError(f"the pool's next learner generation is not warm: {status['learner']}")
+    raise AssertionError(f"the pool's next generations are not warm: {status['warm']}")
 
 
 def test_a_warm_learner_killed_mid_run_fails_that_run_in_one_line_and_the_pool_gets_a_new_one(workdir):
@@ -173,7 +174,7 @@ def test_a_warm_learner_killed_mid_run_fails_that_run_in_one_line_and_the_pool_g
     while not events(workdir / "r5", "train/policy_loss") and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.2)
     assert run.poll() is None, "the run ended before its learner could be killed"
-    agent = warm_learner_pid(workdir / "r5")
+    agent = warm_pid(workdir / "r5")
     workers = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout.split()
     (rank,) = [int(pid) for pid in workers if rank_of(int(pid)) == "1"]
     os.kill(rank, signal.SIGKILL)

@@ -72,8 +72,8 @@ def test_a_pool_plan_is_the_rl_plans_inference_half_detached(tmp_path):
     r = recipe(model)
     pool_plan = plan_pool(r, tmp_path / "pool", CPU2)
     roles = [p.role for p in pool_plan.processes]
-    assert roles == ["setup", "engine", "router", "trainer"] and pool_plan.stage == "pool"  # trainer: the warm learner
-    assert [p.role for p in plan_pool(r, tmp_path / "pool", CPU2, learner=False).processes][-1] == "router"
+    # then the keepers of the warm learner and orchestrator (tests/unit/test_warm_processes.py)
+    assert roles == ["setup", "engine", "router", "trainer", "orchestrator"] and pool_plan.stage == "pool"
     (engine,) = [p for p in pool_plan.processes if p.role == "engine"]
     assert "SKYRL_DIE_WITH_PARENT" not in engine.env
     run_plan = build_plan(r, "rl", tmp_path / "run", machine=CPU2)

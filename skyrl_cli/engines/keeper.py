@@ -1,15 +1,16 @@
-"""An engine pool's learner keeper: ``python -m skyrl_cli.engines.learner_keeper --dir DIR --pool POOL -- TORCHRUN...``.
+"""An engine pool's keeper of one warm process: ``python -m skyrl_cli.engines.keeper --dir DIR --pool POOL -- COMMAND...``.
 
-It keeps one warm learner generation (``backends.train.standby`` under torchrun) ready for the
-next run: it starts generation N in ``DIR/gen-<N>`` (on a rendezvous port free at that moment),
-waits for torchrun to exit, records its exit code for the run that used it, and once that run has
-let go of the pool starts generation N+1. Waiting for the run keeps the next generation's imports
-off the cores while the run still works (its final evaluation follows the learner's exit).
+It keeps one generation of a warm process (``backends.standby``: the learner's ranks under
+torchrun, or the orchestrator) ready for the next run: it starts generation N in ``DIR/gen-<N>``
+(a torchrun command gets a rendezvous port free at that moment), waits for it to exit, records
+its exit code for the run that used it, and once that run has let go of the pool starts
+generation N+1. Waiting for the run keeps the next generation's imports off the cores while the
+run still works (its final evaluation follows the learner's exit).
 
 It stops, leaving no generation behind, on SIGTERM (``skyrl engines down``) and after a
 generation that ended without a job: that is a standby that could not start (its log says why),
-and starting it again would only fail again. A run then starts its own learner as without a pool.
-Light: no torch here, so the keeper itself costs a few MiB.
+and starting it again would only fail again. A run then starts its own process as without a pool.
+Light: no torch here, so the keeper itself costs a few tens of MiB.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ RDZV_FLAG = "--rdzv-endpoint"
 
 
 def with_fresh_port(argv: list[str]) -> list[str]:
-    """torchrun's argv with its rendezvous on a port free now (a generation's port is its own)."""
+    """A torchrun command with its rendezvous on a port free now (a generation's port is its own)."""
     out = list(argv)
+    if RDZV_FLAG not in out:
+        return out
     i = out.index(RDZV_FLAG) + 1
     host = out[i].rsplit(":", 1)[0]
     out[i] = f"{host}:{find_free_ports(1, host if host not in ('', 'localhost') else '127.0.0.1')[0]}"
@@ -53,7 +56,7 @@ def pool_in_use(pool: Path) -> bool:
 
 
 def copy_agent_log(gen: Path, job: Job) -> None:
-    """torchrun's own lines (its summary of a failed rank) into the run's log, after the ranks'."""
+    """The generation's own lines (torchrun's summary of a failed rank) into the run's log."""
     try:
         text = (gen / AGENT_LOG).read_text(errors="replace")
         with open(job.log, "a") as fh:
@@ -63,10 +66,10 @@ def copy_agent_log(gen: Path, job: Job) -> None:
 
 
 class Keeper:
-    def __init__(self, directory: Path, pool: Path, torchrun: list[str]):
+    def __init__(self, directory: Path, pool: Path, command: list[str]):
         self.dir = directory
         self.pool = pool
-        self.torchrun = torchrun
+        self.command = command
         self.agent: subprocess.Popen | None = None
         self.stopping = False
 
@@ -84,18 +87,18 @@ class Keeper:
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / AGENT_LOG, "ab", buffering=0) as log:
             self.agent = subprocess.Popen(
-                [*with_fresh_port(self.torchrun), "--gen-dir", str(folder)],
+                [*with_fresh_port(self.command), "--gen-dir", str(folder)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,  # the run that takes the job tears down this group, not the keeper
+                start_new_session=True,  # the run that takes the job tears down its group, not the keeper
             )
         write_json(self.dir / CURRENT_FILE, {"gen": gen, "agent_pid": self.agent.pid, "since": time.time()})
-        print(f"learner generation {gen}: torchrun pid {self.agent.pid}", flush=True)
+        print(f"generation {gen}: pid {self.agent.pid}", flush=True)
         code = self.agent.wait()
         write_json(folder / EXIT_FILE, {"code": code})
         job = Job.read(folder)
-        print(f"learner generation {gen}: exit code {code}" + (f" (run {job.run_dir})" if job else ""), flush=True)
+        print(f"generation {gen}: exit code {code}" + (f" (run {job.run_dir})" if job else ""), flush=True)
         if job is not None and code != 0:
             copy_agent_log(folder, job)
         return job
@@ -106,7 +109,7 @@ class Keeper:
             job = self.run_generation(gen)
             if job is None:
                 if not self.stopping:
-                    print(f"learner generation {gen} ended without a run; see {gen_dir(self.dir, gen) / AGENT_LOG}")
+                    print(f"generation {gen} ended without a run; see {gen_dir(self.dir, gen) / AGENT_LOG}")
                 break
             while pool_in_use(self.pool) and not self.stopping:
                 time.sleep(HOLDER_POLL_S)
@@ -118,13 +121,13 @@ class Keeper:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m skyrl_cli.engines.learner_keeper")
-    parser.add_argument("--dir", required=True, type=Path, help="the pool's learner folder")
+    parser = argparse.ArgumentParser(prog="python -m skyrl_cli.engines.keeper")
+    parser.add_argument("--dir", required=True, type=Path, help="the pool's folder for this warm process")
     parser.add_argument("--pool", required=True, type=Path, help="the pool's folder (whose holder.json names its run)")
-    parser.add_argument("torchrun", nargs=argparse.REMAINDER, help="-- then the standby's torchrun command")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the standby's command")
     args = parser.parse_args(argv)
-    torchrun = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
-    keeper = Keeper(args.dir, args.pool, torchrun)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    keeper = Keeper(args.dir, args.pool, command)
     signal.signal(signal.SIGTERM, keeper.stop)
     signal.signal(signal.SIGINT, keeper.stop)
     return keeper.loop()

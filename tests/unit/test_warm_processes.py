@@ -1,4 +1,4 @@
-"""An engine pool's warm learner without torch: which runs fit it, the keeper's generations (with a
+"""An engine pool's warm processes without torch: which runs fit them, a keeper's generations (with a
 stand-in for torchrun that speaks the hand-over protocol), a run's supervision of the generation it
 takes, and how the exit code of a process that is not the run's child is read."""
 
@@ -14,38 +14,41 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.engines import learner as warm
-from skyrl_cli.engines.learner import Generation, StandbyJob, learner_signature, misfit, split_torchrun, state
+from skyrl_cli.engines import standby as warm
+from skyrl_cli.engines.standby import Generation, StandbyJob, launch_signature, misfit, ranks_of, split_command, state
 from skyrl_cli.launch.supervisor import Supervisor, pid_alive
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.model import ProcessSpec
-from skyrl_cli.plan.pool import STANDBY_MODULE, plan_pool
+from skyrl_cli.plan.pool import STANDBY_MODULE, WARM_NAMES, plan_pool
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.schema import Recipe
 from skyrl_contracts.standby import CURRENT_FILE, EXIT_FILE, Job, gen_dir, mark, ready_marker, taken_marker
 from tests.unit.test_engine_pool import CPU2, recipe, write_model
 
 
-def keeper_of(plan) -> ProcessSpec:
-    (keeper,) = [p for p in plan.processes if p.role == "trainer"]
+def keeper_of(plan, role: str = "trainer") -> ProcessSpec:
+    (keeper,) = [p for p in plan.processes if p.role == role]
     return keeper
 
 
-def run_learner(tmp_path: Path, r) -> ProcessSpec:
+def run_process(tmp_path: Path, r, role: str = "trainer") -> ProcessSpec:
     plan = build_plan(r, "rl", tmp_path / "run", machine=CPU2)
-    (trainer,) = [p for p in plan.processes if p.role == "trainer"]
-    return trainer
+    (spec,) = [p for p in plan.processes if p.role == role]
+    return spec
+
+
+run_learner = run_process
 
 
 def test_the_warm_learner_is_the_runs_own_learner_command_with_the_standby_module(tmp_path):
     model = write_model(tmp_path / "m")
     keeper = keeper_of(plan_pool(recipe(model), tmp_path / "pool", CPU2))
     argv = list(keeper.argv)
-    assert argv[argv.index("--dir") + 1] == str(tmp_path / "pool" / "learner")
-    launcher, module, args = split_torchrun(argv[argv.index("--") + 1 :])
-    assert module == STANDBY_MODULE and "--preload" not in args
+    assert argv[argv.index("--dir") + 1] == str(tmp_path / "pool" / WARM_NAMES["trainer"])
+    launcher, module, args = split_command(argv[argv.index("--") + 1 :])
+    assert module == STANDBY_MODULE and args[2:4] == ["--kind", "learner"] and "--preload" not in args
     trainer = run_learner(tmp_path, recipe(model))
-    run_launcher, run_module, _ = split_torchrun(trainer.argv)
+    run_launcher, run_module, _ = split_command(trainer.argv)
     assert run_module == "backends.train.rl_learner"
     assert misfit(keeper, trainer) is None  # the same ranks, threads and devices: its runs fit
     assert launcher != run_launcher  # ... though the rendezvous ports differ
@@ -77,11 +80,24 @@ def with_section(r: Recipe, section: str, **keys) -> Recipe:
     return Recipe.model_validate(raw)
 
 
+def test_the_warm_orchestrator_is_the_runs_interpreter_with_its_environment(tmp_path):
+    model = write_model(tmp_path / "m")
+    pool_plan = plan_pool(recipe(model), tmp_path / "pool", CPU2)
+    keeper = keeper_of(pool_plan, "orchestrator")
+    orchestrator = run_process(tmp_path, recipe(model), "orchestrator")
+    assert misfit(keeper, orchestrator) is None and ranks_of(keeper) == 1 and ranks_of(keeper_of(pool_plan)) == 1
+    assert split_command(orchestrator.argv)[1] == "backends.rollout.orchestrator"
+    other = orchestrator.model_copy(update={"env": {**orchestrator.env, "OMP_NUM_THREADS": "2"}})
+    assert misfit(keeper, other) == "OMP_NUM_THREADS: pool 1, this run 2"
+    assert [p.role for p in plan_pool(recipe(model), tmp_path / "p", CPU2, warm=False).processes][-1] == "router"
+
+
 def test_the_rendezvous_port_is_not_part_of_the_signature():
     a = ["py", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-endpoint", "h:1", "-m", "x", "--a"]
     b = ["py", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-endpoint", "h:2", "-m", "y", "--b"]
-    assert learner_signature(a, {"K": "1"}) == learner_signature(b, {"K": "1"})
-    assert learner_signature(a, {"K": "1"}) != learner_signature(a, {"K": "2"})
+    assert launch_signature(a, {"K": "1"}) == launch_signature(b, {"K": "1"})
+    assert launch_signature(a, {"K": "1"}) != launch_signature(a, {"K": "2"})
+    assert split_command(["py", "-u", "-m", "mod", "--x"]) == (["py", "-u"], "mod", ["--x"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,9 +143,9 @@ def wait_for(predicate, timeout: float = 20.0):
 
 @pytest.fixture
 def keeper(tmp_path):
-    learner_dir, pool = tmp_path / "pool" / "learner", tmp_path / "pool"
+    learner_dir, pool = tmp_path / "pool" / "warm-learner", tmp_path / "pool"
     learner_dir.mkdir(parents=True)
-    argv = [sys.executable, "-m", "skyrl_cli.engines.learner_keeper", "--dir", str(learner_dir), "--pool", str(pool)]
+    argv = [sys.executable, "-m", "skyrl_cli.engines.keeper", "--dir", str(learner_dir), "--pool", str(pool)]
     proc = subprocess.Popen([*argv, "--", *fake_torchrun_argv(tmp_path)], start_new_session=True)
     yield proc, learner_dir, pool
     if proc.poll() is None:
@@ -148,7 +164,7 @@ def test_the_keeper_starts_a_fresh_generation_after_each_run_once_the_pool_is_fr
     proc, learner_dir, pool = keeper
     first = wait_for(lambda: Generation.current(learner_dir))
     wait_for(lambda: first.ready_ranks(2) == 2)
-    assert state(learner_dir, 2) == "warm (2/2 ranks)"
+    assert state(learner_dir, 2) == "warm"
     write_json(pool / "holder.json", {"run_dir": "r1", "pid": os.getpid()})  # a run holds the pool
     job_for(tmp_path / "r1", "3").write(first.folder)
     assert StandbyJob(first).wait(timeout=20) == 3  # the keeper's record of torchrun's exit code
@@ -178,7 +194,7 @@ def test_a_run_tears_down_the_generation_it_took_and_the_keeper_replaces_it(keep
         argv=("py", "-m", "torch.distributed.run", "--rdzv-endpoint", "h:1", "-m", "mod", "hang"),
     )
     with Supervisor(run) as supervisor:
-        taken = warm.start_learner(supervisor, spec, keeper_spec(tmp_path), pool)
+        taken = warm.start_warm(supervisor, spec, keeper_spec(tmp_path), learner_dir)
         assert taken.popen.pid == generation.agent_pid  # handed over, not started
         job = Job.read(generation.folder)
         assert job.module == "mod" and job.argv == ["hang"] and job.log == str(run / "logs" / "trainer.log")
@@ -186,7 +202,7 @@ def test_a_run_tears_down_the_generation_it_took_and_the_keeper_replaces_it(keep
         wait_for(lambda: taken_marker(generation.folder, 0).exists())
         assert taken.returncode is None
     assert not pid_alive(generation.agent_pid)  # the run's teardown reached it
-    assert "(run by the engine pool's warm learner" in (run / "logs" / "trainer.log").read_text()
+    assert "(run by a warm process of the engine pool" in (run / "logs" / "trainer.log").read_text()
     assert wait_for(lambda: (g := Generation.current(learner_dir)) and g.gen == 1)
 
 
@@ -202,7 +218,7 @@ def test_a_run_starts_its_own_learner_when_no_generation_waits(tmp_path):
     sleeper = ("py", "-m", "torch.distributed.run", "--rdzv-endpoint", "h:1", "-m", "mod")
     spec = ProcessSpec(name="trainer", role="trainer", kind="job", argv=(sys.executable, "-c", "pass", *sleeper))
     with Supervisor(tmp_path / "run") as supervisor:
-        started = warm.start_learner(supervisor, spec, keeper_spec(tmp_path), pool)
+        started = warm.start_warm(supervisor, spec, keeper_spec(tmp_path), pool / "warm-learner")
         assert isinstance(started.popen, subprocess.Popen)  # its own process
         assert started.popen.wait(timeout=20) == 0
 
