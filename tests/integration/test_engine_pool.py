@@ -165,15 +165,22 @@ def wait_until_warm(workdir: Path, timeout: float = 180) -> None:
     raise AssertionError(f"the pool's next generations are not warm: {status['warm']}")
 
 
-def test_a_warm_learner_killed_mid_run_fails_that_run_in_one_line_and_the_pool_gets_a_new_one(workdir):
-    wait_until_warm(workdir)
+def long_run_past_its_first_step(workdir: Path, run_dir: str) -> subprocess.Popen:
+    """A 40-step run, once it has trained a step. Long enough (a step takes about a second here)
+    that a kill lands mid-run, not in its last step."""
     env = {**ENV, "SKYRL_POOLS_DIR": str(workdir / "pools")}
-    argv = [str(SKYRL), "rl", "recipe.toml", "--run-dir", "r5", "--quiet", "--set", "rl.steps=40"]
+    argv = [str(SKYRL), "rl", "recipe.toml", "--run-dir", run_dir, "--quiet", "--set", "rl.steps=40"]
     run = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not events(workdir / "r5", "train/policy_loss") and time.monotonic() < deadline and run.poll() is None:
+    while not events(workdir / run_dir, "train/policy_loss") and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.2)
-    assert run.poll() is None, "the run ended before its learner could be killed"
+    assert run.poll() is None, "the run ended before its first step was trained"
+    return run
+
+
+def test_a_warm_learner_killed_mid_run_fails_that_run_in_one_line_and_the_pool_gets_a_new_one(workdir):
+    wait_until_warm(workdir)
+    run = long_run_past_its_first_step(workdir, "r5")
     agent = warm_pid(workdir / "r5")
     workers = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout.split()
     (rank,) = [int(pid) for pid in workers if rank_of(int(pid)) == "1"]
@@ -200,14 +207,7 @@ def test_a_second_run_is_refused_while_the_pool_is_in_use(workdir, monkeypatch):
 
 def test_an_engine_killed_mid_run_is_restarted_by_the_run_and_stays_in_the_pool(workdir):
     (old,) = engine_pids(workdir)
-    env = {**ENV, "SKYRL_POOLS_DIR": str(workdir / "pools")}
-    # Long enough (a step takes about a second here) that the kill lands mid-run, not in its last step.
-    argv = [str(SKYRL), "rl", "recipe.toml", "--run-dir", "r4", "--quiet", "--set", "rl.steps=40"]
-    run = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not events(workdir / "r4", "train/policy_loss") and time.monotonic() < deadline and run.poll() is None:
-        time.sleep(0.2)
-    assert run.poll() is None, "the run ended before the engine could be killed"
+    run = long_run_past_its_first_step(workdir, "r4")
     os.killpg(old, signal.SIGKILL)  # the engine and its EngineCore
     out, err = run.communicate(timeout=600)
     assert run.returncode == 0, err[-3000:]
