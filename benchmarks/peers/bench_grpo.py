@@ -8,8 +8,10 @@ Held-out accuracy: greedy, on the same 500 rows, scored by the task's checker (s
 engines, TRL through ``backends.train.evaluate``). The sides alternate within each repetition.
 
 ``skyrl-pool-sync`` / ``skyrl-pool-async`` run on an engine pool (``skyrl engines up``, started
-once before the repetitions and not timed, as a user keeps one running between runs); the other
-skyrl sides start their own engines (``--pool none``).
+once before the repetitions and not timed, as a user keeps one running between runs; before each
+run the pools' warm learner and orchestrator are ready again); the other skyrl sides start their
+own engines (``--pool none``). On a pool, peak RSS counts the ``skyrl rl`` command alone: the
+engines, the learner and the orchestrator are the pool's processes.
 
 Per run: wall time from the launch to the first evaluation >= the run's initial accuracy + 10
 points, samples/s over the whole command, final accuracy after the same samples, the start-up
@@ -29,8 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -134,6 +139,25 @@ def start_pool(mode: str, recipe_file: Path, sets: list[str], work: Path) -> str
     m = run_measured(argv, work / f"pool-{mode}.log", pools_env(work))
     print(f"engine pool {name}: up in {m['wall_s']:.1f} s (not counted in the runs)", flush=True)
     return name
+
+
+def wait_pools_warm(work: Path, timeout_s: float = 300.0) -> None:
+    """Before each run: every pool's warm learner and orchestrator ready again. A pool's keepers
+    start the next generation when a run ends; their imports would otherwise run during the next
+    side's run (whichever side it is), which a user who keeps a pool between runs does not see."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            [SKYRL, "engines", "status", "--json"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **pools_env(work)},
+        ).stdout
+        states = [s for line in out.splitlines() if line.strip() for s in json.loads(line)["warm"].values()]
+        if all(s == "warm" for s in states):
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"the engine pools' warm processes were not ready again within {timeout_s:.0f} s")
 
 
 def stop_pools(work: Path) -> None:
@@ -249,6 +273,8 @@ def main(argv=None) -> None:
     try:
         for rep in range(args.reps):
             for side in args.sides:
+                if pools:
+                    wait_pools_warm(work)
                 if side == "trl":
                     r = run_trl(work / "spec.json", work, rep, args.trl_threads, spec.mini_batches)
                 else:
