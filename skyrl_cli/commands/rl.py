@@ -116,11 +116,12 @@ def register(app: typer.Typer) -> None:
 def pool_warm_use(pool, plan) -> str:
     """For --dry-run: which of the run's processes would go to the pool's warm ones, and why not."""
     from skyrl_cli.engines.standby import misfit
+    from skyrl_cli.plan.pool import WARM_NAMES
 
     words = []
     states = pool.warm_state()
     for spec in plan.processes:
-        if spec.role not in ("trainer", "orchestrator"):
+        if spec.role not in WARM_NAMES:
             continue
         keeper = pool.warm.get(spec.role)
         why = "the pool keeps none" if keeper is None else misfit(keeper.spec, spec)

@@ -16,7 +16,6 @@ Light: no torch here, so the keeper itself costs a few tens of MiB.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -25,12 +24,13 @@ import sys
 import time
 from pathlib import Path
 
+from skyrl_cli.engines.pool import live_holder
+from skyrl_cli.plan.trainer import RDZV_FLAG
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.ports import find_free_ports
 from skyrl_contracts.standby import AGENT_LOG, CURRENT_FILE, EXIT_FILE, Job, gen_dir
 
 HOLDER_POLL_S = 0.5
-RDZV_FLAG = "--rdzv-endpoint"
 
 
 def with_fresh_port(argv: list[str]) -> list[str]:
@@ -42,17 +42,6 @@ def with_fresh_port(argv: list[str]) -> list[str]:
     host = out[i].rsplit(":", 1)[0]
     out[i] = f"{host}:{find_free_ports(1, host if host not in ('', 'localhost') else '127.0.0.1')[0]}"
     return out
-
-
-def pool_in_use(pool: Path) -> bool:
-    """Whether a live run holds the pool (its ``holder.json``, written while it holds the lock)."""
-    from skyrl_cli.launch.supervisor import pid_alive
-
-    try:
-        holder = json.loads((pool / "holder.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return pid_alive(int(holder.get("pid", 0)))
 
 
 def copy_agent_log(gen: Path, job: Job) -> None:
@@ -111,7 +100,9 @@ class Keeper:
                 if not self.stopping:
                     print(f"generation {gen} ended without a run; see {gen_dir(self.dir, gen) / AGENT_LOG}")
                 break
-            while pool_in_use(self.pool) and not self.stopping:
+            # The holder record, not the lock: trying the lock every half second would make a run
+            # that starts in that instant find the pool busy.
+            while live_holder(self.pool) is not None and not self.stopping:
                 time.sleep(HOLDER_POLL_S)
             if gen > 0:  # the one before last: its run has read its exit code long ago
                 shutil.rmtree(gen_dir(self.dir, gen - 1), ignore_errors=True)

@@ -37,7 +37,7 @@ import httpx
 from skyrl_cli.engines.standby import Generation, ranks_of, state, wait_warm
 from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, pid_alive
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
-from skyrl_cli.plan.pool import engine_signature, first_difference, model_signature, unpoolable
+from skyrl_cli.plan.pool import WARM_NAMES, engine_signature, first_difference, model_signature, unpoolable
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import LaunchError, UsageError
 
@@ -156,11 +156,18 @@ class Pool:
 
     def holder(self) -> dict[str, Any] | None:
         """The run using the pool (its run directory and pid), or None when it is free."""
-        try:
-            holder = json.loads((self.path / HOLDER_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        return holder if pid_alive(int(holder.get("pid", 0))) and lock_held(self.path) else None
+        holder = live_holder(self.path)
+        return holder if holder is not None and lock_held(self.path) else None
+
+
+def live_holder(path: Path) -> dict[str, Any] | None:
+    """The pool's ``holder.json`` when the run it names still runs (read without the lock: the
+    warm processes' keepers poll it, ``skyrl_cli.engines.keeper``)."""
+    try:
+        holder = json.loads((path / HOLDER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return holder if pid_alive(int(holder.get("pid", 0))) else None
 
 
 def list_pools(root: Path | None = None) -> list[Pool]:
@@ -197,7 +204,7 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
     setup = [p for p in plan.processes if p.kind == "setup"]
     engines = [p for p in plan.processes if p.role == "engine"]
     (router,) = [p for p in plan.processes if p.role == "router"]
-    keepers = [p for p in plan.processes if p.role in ("trainer", "orchestrator")]
+    keepers = [p for p in plan.processes if p.role in WARM_NAMES]
     with Supervisor(path) as supervisor:
         try:
             for spec in setup:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, child_env, pid_alive
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_cli.plan.pool import first_difference
+from skyrl_cli.plan.trainer import RDZV_FLAG
 from skyrl_contracts.standby import (
     CURRENT_FILE,
     EXIT_FILE,
@@ -39,7 +40,6 @@ from skyrl_contracts.standby import (
 
 EXIT_CODE_WAIT_S = 3.0  # between the generation's exit and the keeper's record of its code
 UNKNOWN_EXIT = 1  # the keeper was gone when the generation exited: "failed", as AdoptedProcess says
-RDZV_FLAG = "--rdzv-endpoint"
 
 
 def split_command(argv: tuple[str, ...] | list[str]) -> tuple[list[str], str, list[str]]:

@@ -37,6 +37,9 @@ class TrainerResources:
     threads_per_rank: int
 
 
+RDZV_FLAG = "--rdzv-endpoint"  # torchrun's rendezvous: a launch's own port (skyrl_cli.engines.standby)
+
+
 def trainer_node_count(recipe: Recipe) -> int:
     """Nodes that run trainer ranks: ``cluster.trainer_nodes`` (default: every node of the
     ``[cluster]``), else ``trainer.nnodes``."""
@@ -108,7 +111,7 @@ def trainer_spec(
         str(trainer.nnodes),
         "--node-rank",
         str(trainer.node_rank),
-        "--rdzv-endpoint",
+        RDZV_FLAG,
         endpoint,
         "-m",
         module,

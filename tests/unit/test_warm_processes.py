@@ -37,9 +37,6 @@ def run_process(tmp_path: Path, r, role: str = "trainer") -> ProcessSpec:
     return spec
 
 
-run_learner = run_process
-
-
 def test_the_warm_learner_is_the_runs_own_learner_command_with_the_standby_module(tmp_path):
     model = write_model(tmp_path / "m")
     keeper = keeper_of(plan_pool(recipe(model), tmp_path / "pool", CPU2))
@@ -47,7 +44,7 @@ def test_the_warm_learner_is_the_runs_own_learner_command_with_the_standby_modul
     assert argv[argv.index("--dir") + 1] == str(tmp_path / "pool" / WARM_NAMES["trainer"])
     launcher, module, args = split_command(argv[argv.index("--") + 1 :])
     assert module == STANDBY_MODULE and args[2:4] == ["--kind", "learner"] and "--preload" not in args
-    trainer = run_learner(tmp_path, recipe(model))
+    trainer = run_process(tmp_path, recipe(model))
     run_launcher, run_module, _ = split_command(trainer.argv)
     assert run_module == "backends.train.rl_learner"
     assert misfit(keeper, trainer) is None  # the same ranks, threads and devices: its runs fit
@@ -58,8 +55,8 @@ def test_a_run_that_would_start_its_learner_otherwise_does_not_fit(tmp_path):
     model = write_model(tmp_path / "m")
     keeper = keeper_of(plan_pool(recipe(model), tmp_path / "pool", CPU2))
     two_ranks = with_section(recipe(model), "trainer", ranks=2)
-    assert misfit(keeper, run_learner(tmp_path, two_ranks)) == "--nproc-per-node: pool 1, this run 2"
-    threads = run_learner(tmp_path, recipe(model))
+    assert misfit(keeper, run_process(tmp_path, two_ranks)) == "--nproc-per-node: pool 1, this run 2"
+    threads = run_process(tmp_path, recipe(model))
     threads = threads.model_copy(update={"env": {**threads.env, "OMP_NUM_THREADS": "7"}})
     assert misfit(keeper, threads).startswith("OMP_NUM_THREADS: pool ")
 
