@@ -63,6 +63,9 @@ RTOL = 1e-3  # a replay's losses (a pass batched with other adapters is not bit-
 # with AMX); a request run out of order shows at once, not only after a divergence.
 REPLAY_OPTIM_STEPS = 30
 UNLOAD_SEQ = 2**62  # backends.tinker.routes_common.UNLOAD_SEQ, without importing the server here
+# uvicorn closes a keep-alive connection idle for 5 s; a client that sends on it just then gets a
+# connection reset it cannot retry (a POST), so the raw HTTP client lets idle connections go first.
+IDLE_BEFORE_THE_SERVER = httpx.Limits(keepalive_expiry=2.0)
 # What a request caught by the kill may end in: each says what happened.
 CLEAR_ERRORS = (
     "restarted",  # "the server restarted before this request ran", "lost when the server restarted"
@@ -359,7 +362,7 @@ class LoadClient(threading.Thread):
         self.rec.sessions += 1
         with (
             tinker.ServiceClient(base_url=self.url, api_key=self.rec.key) as sc,
-            httpx.Client(base_url=self.url, timeout=60) as self.http,
+            httpx.Client(base_url=self.url, timeout=60, limits=IDLE_BEFORE_THE_SERVER) as self.http,
         ):
             self.sc = sc
             if first:
@@ -445,7 +448,8 @@ class LoadClient(threading.Thread):
         r = self.http.post(
             "/api/v1/unload_model", json={"model_id": loaded.model_id}, headers={"X-API-Key": self.rec.key}
         )
-        r.raise_for_status()
+        if r.status_code != 200:  # the server's message says why (a kill in between: "...restarted...")
+            raise RuntimeError(f"unload_model {loaded.model_id}: {r.status_code} {r.text[:300]}")
 
     def op_sampler(self, tc, sampler):
         sampler = self.timed("save_for_sampler", lambda: tc.save_weights_and_get_sampling_client().result())
@@ -546,7 +550,10 @@ def check_checkpoints(
         by_key[key_of[row["owner"]]].append(tinker_path(row["run_id"], row["kind"], row["name"]))
     loaded = 0
     for key, paths in by_key.items():
-        with tinker.ServiceClient(base_url=server.url, api_key=key) as sc, httpx.Client(base_url=server.url) as http:
+        with (
+            tinker.ServiceClient(base_url=server.url, api_key=key) as sc,
+            httpx.Client(base_url=server.url, limits=IDLE_BEFORE_THE_SERVER) as http,
+        ):
             for path in paths:
                 try:
                     tc = sc.create_training_client_from_state_with_optimizer(path).result()
