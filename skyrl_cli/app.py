@@ -60,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app and map failures to messages and exit codes."""
     from skyrl_cli.launch.interrupts import Interrupted, stop_signals_raise
 
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
         with stop_signals_raise():  # Ctrl-C / SIGTERM / SIGHUP: one behaviour for every command
-            code = app(args=argv, standalone_mode=False)
+            code = app(args=args, standalone_mode=False)
     except SkyrlError as err:
         if _debug():
             raise
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     # as 130) instead of exiting: ignoring it made an interrupted run exit 0.
     if isinstance(code, int) and code:
         sys.exit(code)
+    if not args:  # the help of a bare `skyrl` is a usage error: click 8.2+ raises it, click 8.1 returned 0
+        sys.exit(2)
 
 
 if __name__ == "__main__":
