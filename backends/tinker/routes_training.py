@@ -6,6 +6,7 @@ later) and queues a job for the trainer thread; the client polls the returned fu
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import APIRouter, Request
@@ -78,12 +79,17 @@ async def _decode_forward_backward(request: Request, ctx: ApiContext):
     if ctype != PROTO_CONTENT_TYPE:
         raise HttpError(415, f"forward_backward takes a {PROTO_CONTENT_TYPE} body (tinker SDK >= 0.25), got {ctype!r}")
     body = await ctx.raw_body(request)
-    cfg = ctx.cfg
-    try:
-        data = decompress(body, request.headers.get("content-encoding"), cfg.max_request_bytes)
+    cfg, encoding = ctx.cfg, request.headers.get("content-encoding")
+
+    def decode():
+        data = decompress(body, encoding, cfg.max_request_bytes)
         return decode_forward_backward(
             data, max_datums=cfg.max_datums_per_request, max_tokens=cfg.max_sequence_tokens, vocab_size=ctx.vocab_limit
         )
+
+    try:
+        # always in a worker thread: a small zstd body may expand to tinker.max_request_bytes
+        return await asyncio.to_thread(decode)
     except WireError as err:
         raise HttpError(err.status, str(err)) from None
 

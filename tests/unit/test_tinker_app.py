@@ -318,3 +318,32 @@ def test_a_session_without_heartbeats_ends_and_frees_its_adapters(tmp_path):
             assert r.status_code == 400 and "heartbeat" in r.json()["detail"]
     finally:
         service.stop()
+
+
+def test_decoding_a_body_does_not_stall_other_clients(client, monkeypatch):
+    """A forward_backward body is decoded in a worker thread: while a slow decode runs (a big zstd
+    body takes most of a second), another client's request is answered at once."""
+    import threading
+
+    from backends.tinker import routes_training
+
+    model_id, _ = new_model(client)
+    decode = routes_training.decode_forward_backward
+
+    def slow_decode(*args, **kwargs):
+        time.sleep(1.5)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(routes_training, "decode_forward_backward", slow_decode)
+    slow = threading.Thread(
+        target=client.post,
+        args=("/api/v1/forward_backward",),
+        kwargs={"content": fb_body(model_id), "headers": {**A, **PROTO}},
+    )
+    slow.start()
+    time.sleep(0.3)  # the slow request is decoding by now
+    started = time.monotonic()
+    r = client.post("/api/v1/create_session", json={"sdk_version": "0.38.0"}, headers=B)
+    answered_in = time.monotonic() - started
+    slow.join()
+    assert r.status_code == 200 and answered_in < 0.6, answered_in
