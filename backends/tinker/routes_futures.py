@@ -23,6 +23,7 @@ async def _wait_for(ctx: ApiContext, rid: int, fut):
     event = ctx.service.notifier.event(rid)
     fut = ctx.store.future(rid)
     if fut.status != PENDING:
+        ctx.service.notifier.forget(rid)  # its wake-up may have come before the event was made
         return fut
     try:
         await asyncio.wait_for(event.wait(), ctx.cfg.long_poll_s)

@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,10 @@ class Notifier:
             self.loop.call_soon_threadsafe(self._set, request_id)
         except RuntimeError:  # loop closed
             pass
+
+    def forget(self, request_id: int) -> None:
+        """A poll that found its future finished without waiting lets its event go."""
+        self.events.pop(request_id, None)
 
     def _set(self, request_id: int) -> None:
         event = self.events.pop(request_id, None)
@@ -173,7 +178,8 @@ class JobScheduler(threading.Thread):
         self.queues: dict[str, dict[int, Job]] = {}
         self.last_seq: dict[str, int] = {}
         self.stopping = False
-        self.batch_sizes: list[int] = []  # adapters per batched pass (for tests / benchmarks)
+        # adapters per batched pass, the latest ones (for tests and benchmarks; bounded: the server runs for weeks)
+        self.batch_sizes: deque[int] = deque(maxlen=1024)
         self.handlers: dict[str, Callable[[Job], dict]] = {
             "create_model": self._create_model,
             "optim_step": self._optim_step,
@@ -392,6 +398,8 @@ class JobScheduler(threading.Thread):
     def _unload(self, job: Job) -> dict:
         self.engine.drop_adapter(job.model_id)
         self.store.set_model_state(job.model_id, "unloaded")
+        with self.cond:  # an unloaded model takes no more requests: its place in the order goes too
+            self.last_seq.pop(job.model_id, None)
         return {"model_id": job.model_id, "type": "unload_model"}
 
     def _load_weights(self, job: Job) -> dict:

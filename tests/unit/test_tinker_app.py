@@ -347,3 +347,28 @@ def test_decoding_a_body_does_not_stall_other_clients(client, monkeypatch):
     answered_in = time.monotonic() - started
     slow.join()
     assert r.status_code == 200 and answered_in < 0.6, answered_in
+
+
+def test_the_scheduler_and_the_long_polls_keep_nothing_of_finished_work(client):
+    """A server runs for weeks: an unloaded model leaves no place in the scheduler's order, and a
+    long-poll that finds its future finished on its second look leaves no wake-up event behind."""
+    import asyncio
+    import dataclasses
+
+    from backends.tinker.routes_futures import _wait_for
+    from backends.tinker.store import PENDING
+
+    service = client.app.state.api.service
+    model_id, _ = new_model(client)
+    for seq in (1, 2):
+        rid = client.post(
+            "/api/v1/optim_step", json={"model_id": model_id, "seq_id": seq, "adam_params": {}}, headers=A
+        ).json()["request_id"]
+        wait(client, rid)
+    assert service.scheduler.last_seq[model_id] == 2
+    wait(client, client.post("/api/v1/unload_model", json={"model_id": model_id}, headers=A).json()["request_id"])
+    assert model_id not in service.scheduler.last_seq
+
+    seen_pending = dataclasses.replace(service.store.future(int(rid)), status=PENDING)  # as a poll saw it first
+    assert asyncio.run(_wait_for(client.app.state.api, int(rid), seen_pending)).status != PENDING
+    assert int(rid) not in service.notifier.events
