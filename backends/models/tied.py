@@ -126,11 +126,18 @@ def add_explicit_head(model_dir: str | os.PathLike, pair: TiedHead, weight) -> N
     config_path.write_text(json.dumps(_untie_config(config), indent=2) + "\n", encoding="utf-8")
 
 
-def save_for_engines(model, tokenizer, out_dir: str | os.PathLike, state_dict=None) -> bool:
+def save_for_engines(model, tokenizer, out_dir: str | os.PathLike, state_dict=None, dtype=None) -> bool:
     """An HF directory of ``model`` for the engines to load: ``save_hf``, and a tied head written
-    out (``add_explicit_head``). ``state_dict``: ZeRO-3's gathered tensors. True when tied."""
+    out (``add_explicit_head``). ``state_dict``: ZeRO-3's gathered tensors. True when tied.
+
+    ``dtype``: the engines' parameter dtype. Floating tensors are written in it: an engine copies
+    what it loads into its parameters with the same rounding (``Tensor.copy_``), so the engine ends
+    with the same weights, from half the bytes of an fp32 learner's version for bf16 engines, and
+    without vLLM's warning per tensor per sync that the dtypes differ."""
     from backends.models.loading import save_hf
 
+    if dtype is not None:
+        state_dict = in_dtype(model.state_dict() if state_dict is None else state_dict, dtype)
     pair = tied_head(model)
     if pair is None:
         save_hf(model, tokenizer, out_dir, state_dict=state_dict)
@@ -143,6 +150,14 @@ def save_for_engines(model, tokenizer, out_dir: str | os.PathLike, state_dict=No
     save_hf(model, tokenizer, out_dir, state_dict=state_dict)
     add_explicit_head(out_dir, pair, weight)
     return True
+
+
+def in_dtype(state_dict: dict, dtype) -> dict:
+    """``state_dict`` with its floating tensors in ``dtype`` (the others, and those already in it, as they are)."""
+    return {
+        name: t.detach().to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+        for name, t in state_dict.items()
+    }
 
 
 def _pair_from_config(model_dir: Path) -> TiedHead:

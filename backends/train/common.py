@@ -37,9 +37,10 @@ class HFExporter:
     export loads like any other model. Without ``merge`` the directory holds the tokenizer and
     ``adapter/`` only (the adapter's config names its base model)."""
 
-    def __init__(self, engine, tokenizer, dist, zero_stage: int, merge: bool = True):
+    def __init__(self, engine, tokenizer, dist, zero_stage: int, merge: bool = True, engine_dtype: str | None = None):
         self.engine, self.tokenizer, self.dist, self.zero_stage = engine, tokenizer, dist, zero_stage
         self.merge = merge
+        self.engine_dtype = engine_dtype  # versions for the engines are written in it (RL)
 
     def _gathered(self):
         """ZeRO-3's full state dict (a collective every rank joins), None below ZeRO-3."""
@@ -64,12 +65,16 @@ class HFExporter:
 
     def for_engines(self, out_dir: Path) -> None:
         """One policy version for the engines to reload: the HF model with a tied head written out
-        (``backends.models.tied``: the engines serve tied models untied). Collective under ZeRO-3."""
+        (``backends.models.tied``: the engines serve tied models untied), in the engines' dtype.
+        Collective under ZeRO-3."""
+        import torch
+
         from backends.models.tied import save_for_engines
 
         state_dict = self._gathered()
         if self.dist.is_main:
-            save_for_engines(self.engine.module, self.tokenizer, out_dir, state_dict=state_dict)
+            dtype = getattr(torch, self.engine_dtype) if self.engine_dtype else None
+            save_for_engines(self.engine.module, self.tokenizer, out_dir, state_dict=state_dict, dtype=dtype)
 
     def int4_for_engines(self, out_dir: Path | None, cfg) -> None:
         """One policy version for INT4 rollouts: the W4A16 export of the model, rounded in memory

@@ -127,7 +127,9 @@ class Learner:
         )
         # LoRA checkpoints (hence final/) hold the adapter, and the merged model only on request
         merge = self.lora is None or self.lora.merge_final
-        self.export = HFExporter(self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge)
+        self.export = HFExporter(
+            self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge, engine_dtype=engine_dtype
+        )
         self.step_fn = RLStep(rl, self.engine, self.dist, self.pad_id, self.reference)
         self.startup.lap("deepspeed engine")
         self.start_step = self._restore() if resume else 0

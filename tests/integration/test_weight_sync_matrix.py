@@ -91,6 +91,30 @@ def test_engine_serves_the_synced_weights(engines, case, tmp_path):
     assert result["max_abs_diff"] < BOUND[case[2]], result
 
 
+def test_a_bf16_engine_ends_with_the_same_weights_from_a_bf16_version(engines, tmp_path):
+    """The learner writes each version in the engines' dtype (``HFExporter.for_engines``): a bf16
+    engine rounds what it loads the same way, so it serves the same logprobs, to the last bit, from
+    the bf16 version (half the bytes) as from the fp32 one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.inference.sync_check import engine_logprobs, fixed_sequence, moved_policy
+    from backends.inference.weight_sync import run_blocking, sync_weights
+    from backends.models.tied import save_for_engines
+
+    url, model = engines[("llama", True, "bfloat16")]
+    moved = moved_policy(AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32), seed=2)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ids = fixed_sequence(min(moved.config.get_text_config().vocab_size, len(tokenizer)))
+    served = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("fp32-again", None)):
+        save_for_engines(moved, tokenizer, tmp_path / name, dtype=dtype)
+        run_blocking(sync_weights([url], tmp_path / name, name))
+        served[name] = engine_logprobs(url, ids)
+    assert served["fp32"] == served["fp32-again"]  # the comparison is deterministic
+    assert served["bf16"] == served["fp32"]
+
+
 GUARD_RECIPE = """
 name = "guard"
 seed = 0

@@ -69,6 +69,27 @@ def test_a_version_for_the_engines_carries_the_head_and_loads_untied(tmp_path, t
     assert torch.allclose(logits(loaded), logits(model), atol=1e-6)
 
 
+@pytest.mark.parametrize("tied", (True, False))
+def test_a_version_in_the_engines_dtype_holds_what_the_engine_would_round_to(tmp_path, tok, tied):
+    """bf16 engines get a bf16 version from an fp32 learner: each tensor as the engine's own copy
+    into its bf16 parameters would round it, the written-out head included, in half the bytes."""
+    from safetensors.torch import load_file
+
+    model = tiny(tok, tied=tied)
+    save_for_engines(model, tok, tmp_path / "fp32")
+    save_for_engines(model, tok, tmp_path / "bf16", dtype=torch.bfloat16)
+    written = {}
+    for shard in (tmp_path / "bf16").glob("*.safetensors"):
+        written.update(load_file(shard))
+    expected = model.state_dict()  # a tied model's holds the head under its own name too
+    assert set(written) == set(expected)
+    for name, tensor in written.items():
+        engine_param = torch.empty_like(expected[name], dtype=torch.bfloat16).copy_(expected[name])
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, engine_param), name
+    fp32_bytes = sum(f.stat().st_size for f in (tmp_path / "fp32").glob("*.safetensors"))
+    assert sum(t.nbytes for t in written.values()) * 2 == sum(t.nbytes for t in expected.values()) < fp32_bytes
+
+
 def test_an_untied_version_is_the_plain_export(tmp_path, tok):
     assert not save_for_engines(tiny(tok, tied=False), tok, tmp_path / "v1")
     assert not (tmp_path / "v1" / HEAD_SHARD).exists() and not (tmp_path / "v1" / INDEX).exists()
