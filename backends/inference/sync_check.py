@@ -6,7 +6,8 @@ serves ``DIR``, or the untied copy the RL stage starts engines from):
 1. a moved policy: ``DIR``'s weights plus seeded noise on every tensor (a tied model stays tied,
    so its head moves with its embedding, as training moves it);
 2. published as the learner publishes a version for the engines (``backends.models.tied.save_for_engines``,
-   a tied head written out) and loaded through the disk sync (``sync_weights``);
+   a tied head written out, in ``--engine-dtype`` when given) and loaded through the disk sync
+   (``sync_weights``);
 3. the engine's prompt logprobs of a fixed sequence against transformers' on the moved weights.
 
 Prints one JSON line: ``{"max_abs_diff", "mean_abs_diff", "tied", "tokens"}``. A sync that leaves any
@@ -77,7 +78,9 @@ def gap(engine: list[float], reference: list[float]) -> tuple[float, float]:
     return max(diffs), sum(diffs) / len(diffs)
 
 
-def round_trip(engine_url: str, model_dir: Path, scratch: Path, version: str = "sync-check") -> dict:
+def round_trip(
+    engine_url: str, model_dir: Path, scratch: Path, version: str = "sync-check", engine_dtype: str | None = None
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,7 +90,7 @@ def round_trip(engine_url: str, model_dir: Path, scratch: Path, version: str = "
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     moved = moved_policy(model)
     weights = scratch / "moved"
-    tied = save_for_engines(moved, tokenizer, weights)
+    tied = save_for_engines(moved, tokenizer, weights, dtype=getattr(torch, engine_dtype) if engine_dtype else None)
     run_blocking(sync_weights([engine_url], weights, version))
     ids = fixed_sequence(min(moved.config.get_text_config().vocab_size, len(tokenizer)))
     worst, mean = gap(engine_logprobs(engine_url, ids), transformers_logprobs(moved, ids))
@@ -101,8 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-url", required=True)
     parser.add_argument("--model", required=True, type=Path, help="the model directory the engine was started from")
     parser.add_argument("--scratch", required=True, type=Path, help="where the moved policy is written")
+    parser.add_argument(
+        "--engine-dtype", default=None, help="the engine's dtype, which the learner writes its versions in"
+    )
     args = parser.parse_args(argv)
-    print(json.dumps(round_trip(args.engine_url, args.model, args.scratch)), flush=True)
+    result = round_trip(args.engine_url, args.model, args.scratch, engine_dtype=args.engine_dtype)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

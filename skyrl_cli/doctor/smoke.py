@@ -73,6 +73,8 @@ def _sync_round_trip(
         str(model_dir),
         "--scratch",
         str(scratch),
+        "--engine-dtype",
+        dtype,
     ]
     done = run_child(argv, timeout_s)
     if not done.ok:
