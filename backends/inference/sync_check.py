@@ -90,7 +90,7 @@ def round_trip(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     moved = moved_policy(model)
     weights = scratch / "moved"
-    tied = save_for_engines(moved, tokenizer, weights, dtype=getattr(torch, engine_dtype) if engine_dtype else None)
+    tied = save_for_engines(moved, tokenizer, weights, dtype=engine_dtype)
     run_blocking(sync_weights([engine_url], weights, version))
     ids = fixed_sequence(min(moved.config.get_text_config().vocab_size, len(tokenizer)))
     worst, mean = gap(engine_logprobs(engine_url, ids), transformers_logprobs(moved, ids))

@@ -126,18 +126,20 @@ def add_explicit_head(model_dir: str | os.PathLike, pair: TiedHead, weight) -> N
     config_path.write_text(json.dumps(_untie_config(config), indent=2) + "\n", encoding="utf-8")
 
 
-def save_for_engines(model, tokenizer, out_dir: str | os.PathLike, state_dict=None, dtype=None) -> bool:
+def save_for_engines(model, tokenizer, out_dir: str | os.PathLike, state_dict=None, dtype: str | None = None) -> bool:
     """An HF directory of ``model`` for the engines to load: ``save_hf``, and a tied head written
     out (``add_explicit_head``). ``state_dict``: ZeRO-3's gathered tensors. True when tied.
 
-    ``dtype``: the engines' parameter dtype. Floating tensors are written in it: an engine copies
+    ``dtype``: the engines' parameter dtype, as the plan names it ("bfloat16"). Floating tensors are written in it: an engine copies
     what it loads into its parameters with the same rounding (``Tensor.copy_``), so the engine ends
     with the same weights, from half the bytes of an fp32 learner's version for bf16 engines, and
     without vLLM's warning per tensor per sync that the dtypes differ."""
     from backends.models.loading import save_hf
 
     if dtype is not None:
-        state_dict = in_dtype(model.state_dict() if state_dict is None else state_dict, dtype)
+        import torch
+
+        state_dict = in_dtype(model.state_dict() if state_dict is None else state_dict, getattr(torch, dtype))
     pair = tied_head(model)
     if pair is None:
         save_hf(model, tokenizer, out_dir, state_dict=state_dict)

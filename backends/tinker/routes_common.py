@@ -23,6 +23,7 @@ from backends.tinker import protocol as P
 from backends.tinker.service import Job, JobError, TinkerService
 
 UNLOAD_SEQ = 2**62  # after every request of the model
+NO_VOCAB_LIMIT = 2**31 - 1  # before the trainer has loaded the tokenizer
 # A body at least this big is decoded in a worker thread: decoding a 64 MiB body takes about 0.7 s,
 # and on the event loop that would stall every other client's requests and long-polls meanwhile.
 OFF_LOOP_BYTES = 256 * 1024
@@ -33,9 +34,6 @@ async def off_the_loop(body: bytes, decode):
     if len(body) < OFF_LOOP_BYTES:
         return decode()
     return await asyncio.to_thread(decode)
-
-
-NO_VOCAB_LIMIT = 2**31 - 1  # before the trainer has loaded the tokenizer
 
 
 class HttpError(Exception):

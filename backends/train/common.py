@@ -67,14 +67,13 @@ class HFExporter:
         """One policy version for the engines to reload: the HF model with a tied head written out
         (``backends.models.tied``: the engines serve tied models untied), in the engines' dtype.
         Collective under ZeRO-3."""
-        import torch
-
         from backends.models.tied import save_for_engines
 
         state_dict = self._gathered()
         if self.dist.is_main:
-            dtype = getattr(torch, self.engine_dtype) if self.engine_dtype else None
-            save_for_engines(self.engine.module, self.tokenizer, out_dir, state_dict=state_dict, dtype=dtype)
+            save_for_engines(
+                self.engine.module, self.tokenizer, out_dir, state_dict=state_dict, dtype=self.engine_dtype
+            )
 
     def int4_for_engines(self, out_dir: Path | None, cfg) -> None:
         """One policy version for INT4 rollouts: the W4A16 export of the model, rounded in memory
