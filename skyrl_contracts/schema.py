@@ -251,7 +251,11 @@ class RlConfig(Section):
     environment: ImportRef | None = Field(None, description="Custom environment class `module:Class`.")
     reward: ImportRef | None = Field(None, description="Custom reward function `module:function`.")
     reward_timeout_s: PositiveFloat = Field(10.0, description="A reward call slower than this scores 0.")
-    max_turns: PositiveInt = Field(1, description="Model turns per episode (multi-turn and tool environments).")
+    max_turns: PositiveInt | None = Field(
+        None,
+        description="Model turns per episode of an environment (multi-turn and tool environments; unset: 1). "
+        "With rl.agent: the most chat calls one trajectory may make (unset: no cap).",
+    )
     tool_parser: str | None = Field(
         None,
         description="vLLM tool parser for the model's tool calls (hermes, pythonic, llama3_json, mistral, ...); "

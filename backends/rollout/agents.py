@@ -41,6 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import httpx
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotations in these globals
 
 if TYPE_CHECKING:
@@ -83,30 +84,58 @@ def samples_from_calls(calls: Sequence[RecordedCall]) -> list["RolloutSession"]:
 
 
 class AgentTrajectory:
-    """What one trajectory's calls share: the session id, the recorded calls, the last context."""
+    """What one trajectory's calls share: the session id, the recorded calls, the last context, and
+    its group's ``SharedFirstTurn`` (its place ``index`` in it), where its first call may go."""
 
-    def __init__(self, session_id: str, temperature: float | None):
+    def __init__(self, session_id: str, temperature: float | None, first_turn=None, index: int = 0):
         self.session_id = session_id
         self.temperature = temperature  # set: every call samples at it (evaluation: 0, greedy)
+        self.first_turn, self.index = first_turn, index
         self.calls: list[RecordedCall] = []
         self.context_text = ""
         self.context_ids: list[int] = []
         self.lock = asyncio.Lock()  # calls of one trajectory run one after the other
 
 
+class SharedHttpClient(httpx.AsyncClient):
+    """The endpoint's in-process HTTP client (an ASGI transport: no socket, no HTTP server between
+    the agent and the endpoint), shared by every trajectory. A trajectory that closes its client
+    (``async with endpoint.client()``, ``await client.close()``) must not close everyone's, so
+    closing is the server's alone (``close_shared``)."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def close_shared(self) -> None:
+        await super().aclose()
+
+
 @dataclass(frozen=True)
 class AgentEndpoint:
-    """The OpenAI-compatible endpoint of one trajectory, as the agent function receives it."""
+    """The OpenAI-compatible endpoint of one trajectory, as the agent function receives it.
+    ``http_client``: the endpoint's shared in-process ``httpx.AsyncClient``, for any client library
+    that takes one (``endpoint.client()`` uses it); None where the endpoint is only reachable over
+    HTTP."""
 
     base_url: str
     api_key: str = API_KEY
     model: str = "policy"  # any name is accepted; this one is what the endpoint reports
+    http_client: httpx.AsyncClient | None = field(default=None, repr=False, compare=False)
 
     def client(self, **kwargs):
         """A ready ``openai.AsyncOpenAI`` for this trajectory (no client-side retries: the rollout
-        client retries engine failures itself)."""
+        client retries engine failures itself). It is built on the endpoint's shared in-process
+        HTTP client: about 0.1 ms, where a new ``AsyncOpenAI`` of its own (a connection pool and
+        an SSL context, even for an http URL) costs 20-40 ms of the orchestrator's CPU."""
         from openai import AsyncOpenAI
 
+        kwargs.setdefault("http_client", self.http_client)
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
 
 
@@ -127,6 +156,7 @@ class AgentServer:
         self.max_calls: int | None = None  # rl.max_turns, where the recipe states it
         self.trajectories: dict[str, AgentTrajectory] = {}
         self.port: int | None = None
+        self.http_client: SharedHttpClient | None = None
         self._server = None
         self._task: asyncio.Task | None = None
 
@@ -140,7 +170,10 @@ class AgentServer:
         for noisy in ("httpx", "httpx2", "openai"):  # an agent's client logs every request at INFO
             logging.getLogger(noisy).setLevel(logging.WARNING)
         (self.port,) = find_free_ports(1)
-        config = uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        app = self.app()
+        # endpoint.client() reaches the app in process; other clients over HTTP, through uvicorn
+        self.http_client = SharedHttpClient(transport=httpx.ASGITransport(app=app), timeout=None)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
@@ -154,11 +187,19 @@ class AgentServer:
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.http_client is not None:
+            await self.http_client.close_shared()
 
-    def open(self, session_id: str, temperature: float | None = None) -> tuple[AgentTrajectory, AgentEndpoint]:
-        trajectory = AgentTrajectory(session_id, temperature)
+    def open(
+        self, session_id: str, temperature: float | None = None, first_turn=None, index: int = 0
+    ) -> tuple[AgentTrajectory, AgentEndpoint]:
+        """A trajectory's endpoint. ``first_turn``: its group's ``SharedFirstTurn``, which samples the
+        first calls of the group's trajectories together where they are the same request."""
+        trajectory = AgentTrajectory(session_id, temperature, first_turn, index)
         self.trajectories[session_id] = trajectory
-        return trajectory, AgentEndpoint(f"http://127.0.0.1:{self.port}/t/{session_id}/v1")
+        return trajectory, AgentEndpoint(
+            f"http://127.0.0.1:{self.port}/t/{session_id}/v1", http_client=self.http_client
+        )
 
     async def close(self, session_id: str) -> None:
         if self.trajectories.pop(session_id, None) is not None:
@@ -217,9 +258,7 @@ class AgentServer:
             temperature = trajectory.temperature
             if temperature is None:
                 temperature = self.temperature if request.temperature is None else request.temperature
-            (turn,) = await self.client.generate(
-                prompt_ids, trajectory.session_id, room, temperature, top_p=request.top_p, stop_token_ids=self.stop_ids
-            )
+            turn = await self.sample(trajectory, request, prompt_ids, room, temperature)
             token_ids, logprobs, finish = list(turn.token_ids), list(turn.logprobs), turn.finish_reason
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
             cut = stop_cut(self.tokenizer, token_ids, request.stop)
@@ -232,6 +271,30 @@ class AgentServer:
             trajectory.context_text = prompt_text + self.tokenizer.decode(token_ids, skip_special_tokens=False)
             trajectory.context_ids = prompt_ids + token_ids
         return self.response(request, prompt_ids, token_ids, text, finish)
+
+    async def sample(self, trajectory: AgentTrajectory, request: "ChatRequest", prompt_ids, room: int, temperature):
+        """The engine's turn for one call. A trajectory's first call joins its group's shared first
+        turn (one ``n``-sample request for the group, as environment episodes' first turns) when it
+        asks what the group samples: the run's length cap and temperature, no ``top_p``; any other
+        call is a request of its own."""
+        shared = trajectory.first_turn
+        if shared is not None and not trajectory.calls and shared.accepts(trajectory.index):
+            if (
+                (request.max_tokens is None or request.max_tokens >= self.max_new_tokens)
+                and temperature == shared.temperature
+                and request.top_p == 1.0
+            ):
+                from backends.rollout.session import RolloutSession
+
+                session = RolloutSession(self.client, prompt_ids, trajectory.session_id)
+                turn = await shared.take(trajectory.index, session)
+                if turn is not None:
+                    return turn
+            shared.skip(trajectory.index)  # the group does not wait for a call it cannot share
+        (turn,) = await self.client.generate(
+            prompt_ids, trajectory.session_id, room, temperature, top_p=request.top_p, stop_token_ids=self.stop_ids
+        )
+        return turn
 
     def encode(self, trajectory: AgentTrajectory, request: "ChatRequest") -> tuple[str, list[int]]:
         from backends.data.chat import encode_text, render

@@ -200,8 +200,6 @@ def environment_factory(recipe: Recipe) -> EnvironmentFactory:
         if task.environment is not None:
             return task.environment
         return lambda: TaskEnvironment(task)
-    if rl.max_turns > 1:
-        raise UsageError("rl.max_turns > 1 needs a multi-turn rl.environment")
     return MathEnvironment
 
 

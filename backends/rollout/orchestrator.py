@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 
 from skyrl_contracts.atomic import write_json
+from skyrl_contracts.episodes import turn_limit, turn_problems
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.events import EventWriter
 from skyrl_contracts.logs import StartupClock, setup_process_logging
@@ -45,6 +46,9 @@ from skyrl_contracts.schema import Recipe
 
 PROCESS_NAME = "orchestrator"
 ENGINES_BACK_TIMEOUT_S = 900.0  # an engine restart (start-up ~20 s, minutes on a busy machine)
+# How long the first calls of a group's agent programs wait for the group's next first call, to be
+# sampled as one request (SharedFirstTurn): an agent may call late, or never.
+AGENT_FIRST_CALL_WAIT_S = 0.5
 log = logging.getLogger("skyrl.orchestrator")
 
 
@@ -109,19 +113,22 @@ def load_agent(ref: str):
     return agent
 
 
-def tool_use(recipe: Recipe, tokenizer, make_env):
+def tool_use(recipe: Recipe, tokenizer, make_env=None):
     """How episodes run tool calls (``ToolUse``), or None when the environment declares no tools
-    and the recipe names no parser. The parser is vLLM's (its import takes several seconds)."""
+    and the recipe names no parser. An agent run (``make_env`` None) gets the parser its calls'
+    ``tools`` need, where the recipe or the chat template names one. The parser is vLLM's (its
+    import takes several seconds)."""
     from backends.rollout.environments import ToolUse, declares_tools
     from backends.rollout.tools import ToolCallParser, default_parser_name
 
     rl = recipe.rl
-    if rl.tool_parser is None and not declares_tools(make_env) and rl.agent is None:
+    agent = make_env is None
+    if not agent and rl.tool_parser is None and not declares_tools(make_env):
         return None
-    if rl.agent is None and declares_tools(make_env) and rl.max_turns < 2:
+    if not agent and declares_tools(make_env) and turn_limit(recipe) < 2:
         raise UsageError("rl.max_turns: the environment offers tools, and a tool's answer needs a turn after the call")
     name = rl.tool_parser or default_parser_name(tokenizer.chat_template)
-    if name is None and rl.agent is not None:
+    if name is None and agent:
         return None  # an agent that sends tools gets a 400 naming rl.tool_parser
     if name is None:
         raise UsageError(
@@ -161,6 +168,7 @@ class Rollouts:
         )
         self.stop_ids = [t for t in (tokenizer.eos_token_id,) if t is not None]
         self.make_env, self.tools = make_env, tools
+        self.max_turns = turn_limit(recipe)
         self.agent, self.agent_server = None, None  # set by use_agent (rl.agent)
         self.caller = GuardedCaller(self.rl.reward_timeout_s, self.rl.env_concurrency)
         self.eos = tokenizer.eos_token or ""
@@ -192,7 +200,7 @@ class Rollouts:
             return self.decode(completion)
 
         try:
-            episode = await run_episode(self.make_env, row, generate, self.caller, self.rl.max_turns, self.tools)
+            episode = await run_episode(self.make_env, row, generate, self.caller, self.max_turns, self.tools)
         finally:
             if first_turn is not None:
                 first_turn.skip(index)  # an episode that ended before turn 0 must not hold up the group
@@ -213,10 +221,14 @@ class Rollouts:
         from backends.rollout.agents import run_agent, samples_from_calls
         from backends.rollout.environments import Episode
 
-        trajectory, endpoint = self.agent_server.open(session_id, temperature if temperature == 0.0 else None)
+        trajectory, endpoint = self.agent_server.open(
+            session_id, temperature if temperature == 0.0 else None, first_turn, index
+        )
         try:
             outcome = await run_agent(self.agent, row, endpoint, self.rl.agent_timeout_s)
         finally:
+            if first_turn is not None:
+                first_turn.skip(index)  # an agent that made no call must not hold up the group
             await self.agent_server.close(session_id)
         parts = samples_from_calls(trajectory.calls)
         error = outcome.error or (None if parts else "agent: it made no call to the endpoint")
@@ -240,11 +252,15 @@ class Rollouts:
 
         row = self.train_rows[ref.index]
         k = self.rl.samples_per_prompt
-        first_turn = None
-        if self.agent is None:
-            first_turn = SharedFirstTurn(
-                self.client, k, ref.uid, self.rl.max_new_tokens, self.rl.temperature, stop_token_ids=self.stop_ids
-            )
+        first_turn = SharedFirstTurn(
+            self.client,
+            k,
+            ref.uid,
+            self.rl.max_new_tokens,
+            self.rl.temperature,
+            wait_s=None if self.agent is None else AGENT_FIRST_CALL_WAIT_S,
+            stop_token_ids=self.stop_ids,
+        )
         results = await asyncio.gather(
             *(self.trajectory(row, f"{ref.uid}_{i}", self.rl.temperature, first_turn, i) for i in range(k))
         )
@@ -346,18 +362,15 @@ class Evaluation:
         from backends.rollout.session import SharedFirstTurn
 
         t0 = time.perf_counter()
-        first_turns = (
-            None
-            if self.rollouts.agent is not None
-            else SharedFirstTurn(
-                self.rollouts.client,
-                len(self.eval_rows),
-                f"eval-v{version}",
-                self.rl.max_new_tokens,
-                0.0,
-                batch_size=self.recipe.inference.max_num_seqs,
-                stop_token_ids=self.rollouts.stop_ids,
-            )
+        first_turns = SharedFirstTurn(
+            self.rollouts.client,
+            len(self.eval_rows),
+            f"eval-v{version}",
+            self.rl.max_new_tokens,
+            0.0,
+            batch_size=self.recipe.inference.max_num_seqs,
+            wait_s=None if self.rollouts.agent is None else AGENT_FIRST_CALL_WAIT_S,
+            stop_token_ids=self.rollouts.stop_ids,
         )
         results = await asyncio.gather(
             *(
@@ -510,11 +523,14 @@ class Orchestrator:
         router); ``engines``: the plan's ``EngineWeightLoader`` (admin calls to every engine);
         ``exchange``: the ``RunExchange`` with the learner; ``events``: an ``EventWriter``;
         ``rows``: (train, eval). The recipe's environment (or reward) is imported here, so that user
-        code that cannot load fails the process at start, before any engine work."""
+        code that cannot load fails the process at start, before any engine work. An agent run
+        builds no environment: the agent program is its episode."""
         from backends.rollout.environments import environment_factory
 
-        self.make_env = environment_factory(recipe)
+        for key, message in turn_problems(recipe):  # recipes validate refuses these too
+            raise UsageError(f"{'.'.join(key)}: {message}")
         self.agent = load_agent(recipe.rl.agent) if recipe.rl.agent else None
+        self.make_env = environment_factory(recipe) if self.agent is None else None
         self.tool_use = tool_use(recipe, tokenizer, self.make_env)
         self.recipe, self.rl = recipe, recipe.rl
         self.staleness = self.rl.async_.max_staleness if async_mode else 0
@@ -578,8 +594,7 @@ class Orchestrator:
             rollouts.stop_ids,
             self.rl.temperature,
         )
-        if "max_turns" in self.rl.model_fields_set:
-            server.max_calls = self.rl.max_turns
+        server.max_calls = turn_limit(self.recipe)  # None: not capped (skyrl_contracts.episodes)
         await server.start()
         rollouts.use_agent(self.agent, server)
         return server

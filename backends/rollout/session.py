@@ -114,6 +114,11 @@ class SharedFirstTurn:
     first turns go as ``generate_batch`` requests of up to ``batch_size`` prompts, each under its own
     session id (``<session_id>-<chunk>``) so that the router spreads the chunks over the engines.
     Those completions carry no weight spans, so this is for a fixed policy version only.
+
+    With ``wait_s`` (agent programs, whose first call may come late or never) the requests also go
+    once ``wait_s`` passed without an arrival, even if some trajectories have not arrived (a wait
+    from the latest arrival, not the first: 200 evaluation trajectories take longer than that to
+    arrive on a busy event loop, yet keep arriving); those no longer ``accepts`` and generate alone.
     """
 
     def __init__(
@@ -124,9 +129,12 @@ class SharedFirstTurn:
         max_tokens: int,
         temperature: float,
         batch_size: int | None = None,
+        wait_s: float | None = None,
         **kwargs,
     ):
         self.client = client
+        self.wait_s = wait_s
+        self._timer: asyncio.TimerHandle | None = None
         self.k = k
         self.batch_size = batch_size
         self.session_id = session_id
@@ -152,14 +160,28 @@ class SharedFirstTurn:
         session.add_turn(turn)
         return turn
 
+    def accepts(self, index: int) -> bool:
+        """Whether trajectory ``index`` may still ``take`` its first turn here."""
+        return self._request is None and index not in self._sessions
+
     def skip(self, index: int) -> None:
         """Trajectory ``index`` will not take a first turn here (idempotent)."""
-        if index not in self._sessions:
+        if index not in self._sessions and self._request is None:
             self._arrive(index, None)
 
     def _arrive(self, index: int, session: RolloutSession | None) -> None:
         self._sessions[index] = session
         if len(self._sessions) == self.k:
+            self._dispatch()
+        elif self.wait_s is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(self.wait_s, self._dispatch)
+
+    def _dispatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._request is None:
             self._request = asyncio.ensure_future(self._sample())
 
     async def _sample(self) -> None:

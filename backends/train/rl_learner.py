@@ -42,6 +42,7 @@ import torch
 
 from backends.train.common import HFExporter, load_recipe, open_events, say
 from backends.train.rl.step import RLStep
+from skyrl_contracts.episodes import turn_limit
 from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
 from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
@@ -130,7 +131,7 @@ class Learner:
         self.export = HFExporter(
             self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge, engine_dtype=engine_dtype
         )
-        self.step_fn = RLStep(rl, self.engine, self.dist, self.pad_id, self.reference)
+        self.step_fn = RLStep(rl, self.engine, self.dist, self.pad_id, self.reference, turns=turn_limit(recipe))
         self.startup.lap("deepspeed engine")
         self.start_step = self._restore() if resume else 0
         quant = recipe.quantization

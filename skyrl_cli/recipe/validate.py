@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from skyrl_contracts.episodes import TASKS_WITH_TOOLS, turn_problems
+from skyrl_contracts.losses import RATIO_BOUNDS, inert_loss_keys
 from skyrl_contracts.schema import Recipe
 
 
@@ -229,14 +231,10 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
             "clipping cannot act: with one update per step (rl.mini_batches = rl.epochs = 1) the ratio to the "
             'proximal policy is exactly 1; set rl.mini_batches > 1 or rl.loss.ratio = "rollout", or remove this key'
         )
-        for key in ("eps_low", "eps_high", "dual_clip_c"):
+        for key in RATIO_BOUNDS:
             refuse(key, why)
-    if loss.kind != "dual_clip":
-        refuse("dual_clip_c", f'dual_clip_c applies to kind = "dual_clip" only (kind is "{loss.kind}")')
-    if loss.kind == "cispo":
-        refuse("eps_low", "cispo truncates its weight above only (1 + eps_high); eps_low does not apply")
-    if loss.kind == "gspo":
-        refuse("reduction", "gspo always averages per sequence (the paper's 1/|y|); reduction does not apply")
+    for key, why in inert_loss_keys(loss.kind).items():
+        refuse(key, why)
     off_policy = rl.async_.off_policy
     if loss.ratio == "rollout":
         for key in sorted({"token_is_cap", "seq_is_cap"} & off_policy.model_fields_set):
@@ -254,10 +252,7 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
 # Built-in tasks whose demonstrations can be flawed (backends.data.tasks: Task.flawed_answer);
 # light on purpose: the CLI does not import the data layer.
 TASKS_WITH_A_FLAW = frozenset({"addition", "lookup"})
-TASKS_WITH_TOOLS = frozenset({"lookup"})
-DATA_FILE_SUFFIXES = frozenset(
-    {".jsonl", ".json", ".parquet"}
-)  # backends.data.files.load_rows reads these  # their SFT evaluation has no accuracy: it needs the tool loop
+DATA_FILE_SUFFIXES = frozenset({".jsonl", ".json", ".parquet"})  # backends.data.files.load_rows reads these
 
 
 def data_problems(recipe: Recipe) -> list[Problem]:
@@ -273,19 +268,7 @@ def data_problems(recipe: Recipe) -> list[Problem]:
             )
         )
     rl = recipe.rl
-    if (
-        data.task in TASKS_WITH_TOOLS
-        and rl is not None
-        and rl.agent is None
-        and not rl.environment
-        and rl.max_turns < 2
-    ):
-        problems.append(
-            Problem(
-                ("rl", "max_turns"),
-                f'task = "{data.task}" takes two model turns (the tool call, then the answer); set rl.max_turns = 2',
-            )
-        )
+    problems += [Problem(key, message) for key, message in turn_problems(recipe)]
     if rl is not None and rl.environment and rl.reward:
         problems.append(
             Problem(

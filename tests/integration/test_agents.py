@@ -263,3 +263,108 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
     assert events(run, "rollout/errors")[0][1] >= 4.0  # --async: groups of the next batch may have run already
     assert events(run, "rollout/samples_per_trajectory")[0][1] > 1.0
     on_policy_gap_within_bound(run)
+
+
+# ------------------------------------------------------------------------------ a user's data, several calls
+
+# A two-call retry agent: asks, and on a wrong answer asks again in a new user turn. The recipe
+# that trains it leaves rl.max_turns unset: its second calls must not be refused.
+RETRY_AGENT = """
+async def solve(row, endpoint):
+    client = endpoint.client()
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        answer = reply.choices[0].message.content or ""
+        if answer.strip() == row["answer"]:
+            return 1.0
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": row["prompt"]}]
+    return 0.0
+"""
+
+
+def docs_agent_source() -> str:
+    """The agent program docs/agents.md shows (the block that defines ``solve``), as written."""
+    from tests.docs_blocks import blocks
+
+    (block,) = [b for b in blocks(REPO_DOCS / "agents.md") if b.lang == "python" and "async def solve" in b.code]
+    return block.code
+
+
+REPO_DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def user_data_recipe(workdir: Path, name: str, agent: str) -> Path:
+    """An RL-only recipe on the user's own JSONL rows (not a built-in task), from the SFT model of
+    this module, naming ``agent``, with no rl.max_turns. Rows carry the fields the docs' agent
+    reads (``prompt``, ``answer``, ``stock``)."""
+    import tomli_w
+
+    from backends.data.tasks import get_task
+
+    folder = workdir / name
+    folder.mkdir(exist_ok=True)
+    task = get_task("lookup", 2)
+    for split, size in (("train", 64), ("eval", 8)):
+        rows = [{**r, "stock": {"main": {}}} for r in task.make_rows(11, size, split)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {
+        "name": name,
+        "seed": 5,
+        "model": {"init": {"hidden_size": 64, "layers": 2, "heads": 2, "intermediate_size": 128}, "tokenizer": "char"},
+        "data": {"train": "train.jsonl", "eval": "eval.jsonl", "eval_size": 8},
+        "rl": {
+            "init_from": str(workdir / "runs/tooltest/sft/final"),
+            "agent": agent,
+            "steps": 2,
+            "prompts_per_step": 4,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 24,
+            "eval_every": 0,
+            "save_every": 0,
+            "keep_batches": True,
+        },
+        "inference": {"engines": 1, "max_num_seqs": 32},
+        "trainer": {"ranks": 2, "zero_stage": 2},
+    }
+    path = folder / "recipe.toml"
+    path.write_text(tomli_w.dumps(recipe))
+    return path
+
+
+def several_calls_trained(run: Path) -> None:
+    """Calls past the first were answered and trained: more than one call per trajectory on
+    average, one sample per trajectory (both agents append to their conversation), no errors."""
+    calls = [v for _, v in events(run, "rollout/agent_calls_mean")]
+    assert calls and all(c > 1.0 for c in calls), calls
+    assert [v for _, v in events(run, "rollout/samples_per_trajectory")] == [1.0] * len(calls)
+    assert [v for _, v in events(run, "rollout/errors")] == [0.0] * len(calls)
+    errors = run / "sample_errors.jsonl"
+    assert not errors.exists() or not errors.read_text().strip(), errors.read_text()
+    samples = batch_samples(run)
+    assert any(s["num_turns"] > 1 and 0 in s["loss_mask"] for s in samples)  # the turns between carry no loss
+    on_policy_gap_within_bound(run)
+
+
+def test_the_docs_tool_agent_trains_on_a_users_data(workdir):
+    recipe = user_data_recipe(workdir, "docs_agent", "my_agent:solve")
+    (recipe.parent / "my_agent.py").write_text(docs_agent_source())
+    run = recipe.parent / "run"
+    run_skyrl("rl", recipe, "--run-dir", run, "--quiet", cwd=recipe.parent, timeout=900)
+    several_calls_trained(run)
+    tokenizer = load_tokenizer(run)
+    between = [
+        tokenizer.decode([t for t, m in zip(s["response_ids"], s["loss_mask"]) if not m], skip_special_tokens=False)
+        for s in batch_samples(run)
+    ]
+    assert any("<|tool|>" in text for text in between), "the model's tool calls were parsed and answered"
+
+
+def test_a_retry_agent_without_max_turns_makes_its_second_calls(workdir):
+    """Sync; a recipe that leaves rl.max_turns unset: the second calls are answered, not refused."""
+    recipe = user_data_recipe(workdir, "retry_agent", "retry_agent:solve")
+    (recipe.parent / "retry_agent.py").write_text(RETRY_AGENT)
+    run = recipe.parent / "run"
+    run_skyrl("recipes", "validate", recipe, cwd=recipe.parent)
+    run_skyrl("rl", recipe, "--run-dir", run, "--quiet", cwd=recipe.parent, timeout=900)
+    several_calls_trained(run)

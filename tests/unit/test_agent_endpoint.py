@@ -291,7 +291,7 @@ class ScriptedClient:
         text = self.script.pop(0)
         text, finish = text if isinstance(text, tuple) else (text, "stop")
         ids = encode_text(self.tokenizer, text)
-        return [Completion(ids, [-0.5] * len(ids), finish, (WeightSpan("0", 0, len(ids)),))]
+        return [Completion(ids, [-0.5] * len(ids), finish, (WeightSpan("0", 0, len(ids)),))] * n
 
     async def finish_session(self, session_id):
         self.finished.append(session_id)
@@ -425,6 +425,76 @@ def test_plain_answers_sampling_parameters_and_models(tok, parser):
             assert [m.id for m in models.data] == ["policy"]
             await client.close()
             await greedy_client.close()
+
+    asyncio.run(main())
+
+
+def test_the_first_calls_of_a_group_are_one_n_sample_request(tok, parser):
+    """As an environment's first turns: the group's trajectories asking the same first call get one
+    request with n = k under the group's session; a call asking its own sampling goes alone and
+    does not hold up the group; a second call is always the trajectory's own."""
+    from backends.rollout.session import SharedFirstTurn
+
+    async def main():
+        async with serving(tok, parser, ["417<eos>"] * 8, max_new_tokens=32, temperature=0.7) as (server, fake):
+            group = SharedFirstTurn(fake, 4, "g", 32, 0.7, wait_s=30.0, stop_token_ids=[tok.eos_token_id])
+            opened = [server.open(f"g_{i}", None, group, i) for i in range(4)]
+
+            async def agent(i, endpoint):
+                client = endpoint.client()
+                first = await client.chat.completions.create(
+                    model="policy", messages=USER, top_p=0.5 if i == 3 else None
+                )
+                if i == 0:
+                    await client.chat.completions.create(model="policy", messages=USER)
+                return first.choices[0].message.content
+
+            answers = await asyncio.gather(*(agent(i, endpoint) for i, (_, endpoint) in enumerate(opened)))
+            assert answers == ["417"] * 4
+            shared = [r for r in fake.requests if r["session_id"] == "g"]
+            assert [(r["n"], r["temperature"], r["max_tokens"]) for r in shared] == [(3, 0.7, 32)]
+            alone = sorted((r["session_id"], r["n"], r["top_p"]) for r in fake.requests if r["session_id"] != "g")
+            assert alone == [("g_0", 1, 1.0), ("g_3", 1, 0.5)]
+            assert [len(t.calls) for t, _ in opened] == [2, 1, 1, 1]
+            assert all(t.calls[0].weight_versions == ("0",) for t, _ in opened)
+            assert "g" in fake.finished  # the group's pin is released once its request is done
+
+    asyncio.run(main())
+
+
+def test_a_first_call_that_comes_late_goes_alone(tok, parser):
+    """A group whose trajectories do not all call within the wait is sampled without the late one,
+    which then generates on its own; an agent that never calls only ends the wait (skip)."""
+    from backends.rollout.session import SharedFirstTurn
+
+    async def main():
+        async with serving(tok, parser, ["417<eos>"] * 4) as (server, fake):
+            group = SharedFirstTurn(fake, 3, "g", 32, 0.7, wait_s=0.2, stop_token_ids=[tok.eos_token_id])
+            (_, first), (_, late), _ = [server.open(f"g_{i}", None, group, i) for i in range(3)]
+
+            async def call(endpoint, delay):
+                await asyncio.sleep(delay)
+                reply = await endpoint.client().chat.completions.create(model="policy", messages=USER)
+                return reply.choices[0].message.content
+
+            assert await asyncio.gather(call(first, 0.0), call(late, 0.6)) == ["417", "417"]
+            assert [(r["session_id"], r["n"]) for r in fake.requests] == [("g", 1), ("g_1", 1)]
+            assert not group.accepts(2)
+            group.skip(2)  # the third never called: its skip after the dispatch changes nothing
+
+    asyncio.run(main())
+
+
+def test_a_trajectory_that_closes_its_client_leaves_the_shared_one_open(tok, parser):
+    async def main():
+        async with serving(tok, parser, ["417<eos>"] * 2) as (server, fake):
+            _, one = server.open("one")
+            _, two = server.open("two")
+            assert one.http_client is two.http_client is server.http_client
+            async with one.client() as client:
+                await client.chat.completions.create(model="policy", messages=USER)
+            reply = await two.client().chat.completions.create(model="policy", messages=USER)
+            assert reply.choices[0].message.content == "417"
 
     asyncio.run(main())
 

@@ -21,14 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_contracts.losses import ADVANTAGE_KINDS, loss_reduction
+
 
 class RLStep:
     """One learner step over a batch of samples. ``engine``: DeepSpeed's (``backward``, ``step``,
     ``module``; a plain-torch stand-in in the unit tests); ``reference``: the KL reference model, or
-    None (with LoRA the reference is the policy with its adapter disabled)."""
+    None (with LoRA the reference is the policy with its adapter disabled); ``turns``: the run's
+    turn limit (``skyrl_contracts.episodes.turn_limit``; None: an agent's calls are not capped)."""
 
-    def __init__(self, rl, engine, dist, pad_id: int, reference=None):
+    def __init__(self, rl, engine, dist, pad_id: int, reference=None, turns: int | None = 1):
         self.rl, self.engine, self.dist, self.pad_id, self.reference = rl, engine, dist, pad_id, reference
+        self.turns = turns
         self.updates_per_step = rl.epochs * rl.mini_batches
 
     def train(self, samples) -> dict[str, float]:
@@ -58,7 +62,7 @@ class RLStep:
         from backends.train.rl.minibatch import group_slices
 
         updates = []
-        # a trajectory longer than max_new_tokens x max_turns (an agent's calls) must not exceed the bound
+        # a trajectory longer than max_new_tokens x turns (an agent's calls, uncapped) must not exceed the bound
         longest = max((len(s.loss_mask) for s in samples), default=0)
         for members in group_slices([s.prompt_uid for s in samples], self.rl.mini_batches):
             # a sample whose user code failed before any token holds none: its reward counts in the
@@ -72,7 +76,7 @@ class RLStep:
             normalizer = LossNormalizer(
                 tokens=float(sum(samples[i].num_loss_tokens for i in members)),
                 sequences=float(sum(1 for i in members if samples[i].num_loss_tokens > 0)),
-                max_seq_len=max(self.rl.max_new_tokens * self.rl.max_turns, longest),
+                max_seq_len=max(self.rl.max_new_tokens * (self.turns or 1), longest),
             )
             updates.append(Update(mine, normalizer, layout))
         return updates
@@ -118,7 +122,7 @@ class RLStep:
                 correction.loss_mask,
                 coef=rl.kl.coef,
                 estimator=rl.kl.estimator,
-                reduction="sequence_mean" if rl.loss.kind == "gspo" else rl.loss.reduction,
+                reduction=loss_reduction(rl.loss.kind, rl.loss.reduction),
                 normalizer=normalizer,
             )
             loss = loss + term
@@ -234,7 +238,7 @@ def batch_advantages(samples, rl) -> torch.Tensor:
         mask[i, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     trajectories = trajectory_rows(samples)
-    if len(set(trajectories)) == len(samples) or rl.advantage.kind == "reinforce_pp":
+    if len(set(trajectories)) == len(samples) or not ADVANTAGE_KINDS[rl.advantage.kind].group_baseline:
         return compute_advantages(rewards, [s.prompt_uid for s in samples], mask, rl.advantage)
     # An agent that rewrote its history left several samples of one trajectory: the group's
     # statistics count each trajectory once, and each of its samples takes its advantage.
