@@ -16,7 +16,7 @@ Conventions (as in SkyRL / verl, so figures compare):
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -94,6 +94,29 @@ def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -
     return advantages.to(torch.float32)[:, None] * response_mask.to(torch.float32)
 
 
+def _grpo(rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:
+    return broadcast_to_tokens(grpo_advantages(rewards, index, std_normalize=config.std_normalize), mask)
+
+
+def _rloo(rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:
+    return broadcast_to_tokens(rloo_advantages(rewards, index), mask)
+
+
+def _reinforce_pp(
+    rewards: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, config: AdvantageConfig
+) -> torch.Tensor:
+    return reinforce_pp_advantages(rewards, mask)
+
+
+# rl.advantage.kind -> (rewards [N], dense group index [N], response mask [N, T], config) -> [N, T].
+# What the driver and the step must know of a kind too is skyrl_contracts.losses.ADVANTAGE_KINDS.
+ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AdvantageConfig], torch.Tensor]] = {
+    "grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce_pp": _reinforce_pp,
+}
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     group_ids: Sequence[Hashable] | torch.Tensor,
@@ -102,12 +125,7 @@ def compute_advantages(
 ) -> torch.Tensor:
     """The recipe's estimator (``rl.advantage``): rewards [N], group keys [N], mask [N, T] -> [N, T]."""
     index = group_ids if isinstance(group_ids, torch.Tensor) else group_index(group_ids)
-    if config.kind == "grpo":
-        per_sample = grpo_advantages(rewards, index, std_normalize=config.std_normalize)
-    elif config.kind == "rloo":
-        per_sample = rloo_advantages(rewards, index)
-    elif config.kind == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, response_mask)
-    else:  # the schema's Literal makes this unreachable; kept for custom callers
+    estimator = ESTIMATORS.get(config.kind)
+    if estimator is None:  # the schema's Literal makes this unreachable; kept for custom callers
         raise ValueError(f"unknown advantage estimator {config.kind!r}")
-    return broadcast_to_tokens(per_sample, response_mask)
+    return estimator(rewards, index, response_mask, config)

@@ -23,13 +23,13 @@ micro-batches and ranks by SUM, except keys ending in ``_max`` (MAX) and ``_min`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping
+from typing import Callable, Iterable, Literal, Mapping
 
 import torch
 
+from skyrl_contracts.losses import Reduction, loss_reduction
 from skyrl_contracts.schema import PolicyLossConfig
 
-Reduction = Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]
 KlEstimator = Literal["k1", "k2", "k3"]
 
 # exp() of a log-ratio beyond this overflows float32 / bf16 gradients long before it matters.
@@ -117,37 +117,75 @@ def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tens
     return (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
 
-def _policy_ratio(logprobs: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind != "gspo":
-        return torch.exp(log_ratio)
+def _token_ratio(logprobs: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_ratio)
+
+
+def _sequence_ratio(logprobs: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO: the sequence's geometric mean ``exp(mean_t log r)`` as every token's value, with the
+    gradient of each token's own logprob (GSPO-token)."""
     seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     # value: the sequence ratio; gradient: d logprob of each token (sg = stop-gradient)
     token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
     return torch.exp(token_log_ratio.clamp(max=_LOG_RATIO_CLAMP))
 
 
-def _surrogate(
+# token losses, the (low, high) clip masks and extra per-token indicators (metric name -> 0/1)
+Surrogate = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _ppo_clip(
     ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Token losses, the (low, high) clip masks and extra per-token indicators of one kind."""
+) -> Surrogate:
+    """``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``."""
     low, high = 1.0 - config.eps_low, 1.0 + config.eps_high
     r = ratio.detach()
-    extra: dict[str, torch.Tensor] = {}
-    if config.kind == "cispo":
-        # MiniMax-M1 truncates the weight above only; below it is left alone (eps_low unused)
-        token_losses = -advantages * r.clamp(max=high) * logprobs
-        return token_losses, torch.zeros_like(r), (r > high).to(r.dtype), extra
-    if config.kind not in ("ppo_clip", "dual_clip", "gspo"):
-        raise ValueError(f"unknown policy loss {config.kind!r}")
     token_losses = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
     # the tokens whose gradient the clip removes: each bound is active for one sign of A only
     clip_low = ((r < low) & (advantages < 0)).to(r.dtype)
     clip_high = ((r > high) & (advantages > 0)).to(r.dtype)
-    if config.kind == "dual_clip":
-        cap = -advantages * config.dual_clip_c
-        extra["train/dual_clip_frac"] = ((advantages < 0) & (cap < token_losses)).to(r.dtype)
-        token_losses = torch.where(advantages < 0, torch.min(token_losses, cap), token_losses)
-    return token_losses, clip_low, clip_high, extra
+    return token_losses, clip_low, clip_high, {}
+
+
+def _dual_clip(
+    ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+) -> Surrogate:
+    """ppo_clip, and for A < 0 the loss is capped at ``-c A`` (c = dual_clip_c)."""
+    token_losses, clip_low, clip_high, _ = _ppo_clip(ratio, logprobs, advantages, config)
+    cap = -advantages * config.dual_clip_c
+    capped = ((advantages < 0) & (cap < token_losses)).to(ratio.dtype)
+    token_losses = torch.where(advantages < 0, torch.min(token_losses, cap), token_losses)
+    return token_losses, clip_low, clip_high, {"train/dual_clip_frac": capped}
+
+
+def _cispo(
+    ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+) -> Surrogate:
+    """``-sg(min(r, 1+eps_high)) * A * logprob`` (MiniMax-M1): truncated tokens still get a gradient;
+    its clip_high counts the truncated tokens, either sign of A, and clip_low is 0."""
+    r = ratio.detach()
+    high = 1.0 + config.eps_high
+    # MiniMax-M1 truncates the weight above only; below it is left alone (eps_low unused)
+    token_losses = -advantages * r.clamp(max=high) * logprobs
+    return token_losses, torch.zeros_like(r), (r > high).to(r.dtype), {}
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss kind: its ratio ``(logprobs, log_ratio, mask) -> r`` and its surrogate
+    ``(r, logprobs, advantages, config) -> Surrogate``. What the driver must know of a kind too
+    (keys that act, a forced reduction) is ``skyrl_contracts.losses.LOSS_KINDS``."""
+
+    ratio: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    surrogate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossConfig], Surrogate]
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": PolicyLoss(_token_ratio, _ppo_clip),
+    "dual_clip": PolicyLoss(_token_ratio, _dual_clip),
+    "gspo": PolicyLoss(_sequence_ratio, _ppo_clip),
+    "cispo": PolicyLoss(_token_ratio, _cispo),
+}
 
 
 def policy_loss(
@@ -167,15 +205,9 @@ def policy_loss(
     on-policy step they equal ``logprobs.detach()``). is_weights: optional detached off-policy
     weights (``off_policy.off_policy_correction``) multiplied into the token losses.
 
-    kinds (``config.kind``):
-    - ppo_clip: ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``.
-    - dual_clip: ppo_clip, and for A < 0 the loss is capped at ``-c A`` (c = dual_clip_c).
-    - gspo: the ratio is the sequence's geometric mean ``exp(mean_t log r)`` (value), with the
-      gradient of each token's own logprob (GSPO-token), then the PPO clip. Always reduced as
-      the paper does, the mean over sequences of each sequence's token mean (its 1/|y|):
-      ``sequence_mean`` whatever ``config.reduction`` says.
-    - cispo: ``-sg(min(r, 1+eps_high)) * A * logprob`` (MiniMax-M1): the weight is truncated above
-      only (``eps_low`` does not apply) and truncated tokens still get a gradient.
+    kinds (``config.kind``): ``POLICY_LOSSES``, each a ratio and a surrogate (their docstrings);
+    the reduction is ``config.reduction`` unless the kind forces one (gspo: ``sequence_mean``, the
+    paper's mean over sequences of each sequence's token mean; ``skyrl_contracts.losses``).
 
     Metrics: ``train/clip_frac_low``: tokens where the lower bound acts (r < 1-eps_low, A < 0);
     ``train/clip_frac_high``: r > 1+eps_high, A > 0 (the tokens whose gradient the clip removes;
@@ -183,15 +215,17 @@ def policy_loss(
     ``train/clip_frac`` = low + high; approx_kl (k3), ratio mean / min / max (gspo: the sequence
     ratio of each token).
     """
+    kind = POLICY_LOSSES.get(config.kind)
+    if kind is None:
+        raise ValueError(f"unknown policy loss {config.kind!r}")
     mask = mask.to(logprobs.dtype)
     advantages = advantages.to(logprobs.dtype)
-    ratio = _policy_ratio(logprobs, _log_ratio(logprobs, old_logprobs), mask, config.kind)
-    token_losses, clip_low, clip_high, extra = _surrogate(ratio, logprobs, advantages, config)
+    ratio = kind.ratio(logprobs, _log_ratio(logprobs, old_logprobs), mask)
+    token_losses, clip_low, clip_high, extra = kind.surrogate(ratio, logprobs, advantages, config)
     if is_weights is not None:
         token_losses = token_losses * is_weights.detach().to(token_losses.dtype)
 
-    reduction = "sequence_mean" if config.kind == "gspo" else config.reduction
-    loss = reduce_loss(token_losses, mask, reduction, normalizer)
+    loss = reduce_loss(token_losses, mask, loss_reduction(config.kind, config.reduction), normalizer)
     ratio_value = ratio.detach()
     # k3 estimate of KL(pi_old || pi_new) from tokens sampled by pi_old: (r - 1) - log r >= 0
     approx_kl = (ratio_value - 1.0) - torch.log(ratio_value)
