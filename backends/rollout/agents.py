@@ -13,7 +13,8 @@ dataset row its own way, with any number of chat-completion calls, and returns i
 
 The endpoint (``AgentServer``, one per orchestrator, on 127.0.0.1) serves ``/v1/chat/completions``
 (messages, tools, tool_choice ``auto`` / ``none``, temperature, top_p, max_tokens, stop; not
-streaming) and ``/v1/models``; with ``rl.max_turns`` stated, a trajectory's calls past it get a 400. A call renders the messages with the model's chat template
+streaming) and ``/v1/models``; with ``rl.max_turns`` set, a trajectory's calls past it get a 400
+(unset: not capped). A call renders the messages with the model's chat template
 (``tools=``), generates through the router under the trajectory's session id (sticky routing: all
 its calls reach one engine and its prefix cache), parses tool calls with ``rl.tool_parser`` and
 records the prompt tokens, the sampled tokens, their logprobs and weight versions. Each response
@@ -147,13 +148,21 @@ class AgentServer:
     """The chat-completions endpoint every trajectory's agent talks to (``/t/<session id>/v1``)."""
 
     def __init__(
-        self, client, tokenizer, tool_parser, max_new_tokens: int, stop_ids: Sequence[int], temperature: float = 1.0
+        self,
+        client,
+        tokenizer,
+        tool_parser,
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        temperature: float = 1.0,
+        max_calls: int | None = None,
     ):
         """``max_new_tokens`` caps a call's ``max_tokens`` (``rl.max_new_tokens``); ``temperature``
-        is a call's when it names none (``rl.temperature``)."""
+        is a call's when it names none (``rl.temperature``); ``max_calls``: calls per trajectory
+        (``skyrl_contracts.episodes.turn_limit``; None: not capped)."""
         self.client, self.tokenizer, self.tool_parser = client, tokenizer, tool_parser
         self.max_new_tokens, self.stop_ids, self.temperature = max_new_tokens, list(stop_ids), temperature
-        self.max_calls: int | None = None  # rl.max_turns, where the recipe states it
+        self.max_calls = max_calls
         self.trajectories: dict[str, AgentTrajectory] = {}
         self.port: int | None = None
         self.http_client: SharedHttpClient | None = None

@@ -116,9 +116,11 @@ class Client:
 
 def start_run(recipe_path: Path, run_dir: Path, tok):
     """What the run does with the recipe up to its first trajectory: the driver loads it and writes
-    ``recipe.resolved.json``; the orchestrator reads that, builds its episodes and, for an agent,
-    its endpoint. Returns the endpoint's call cap (None: uncapped), or "no endpoint"."""
-    from backends.rollout.orchestrator import Orchestrator, Rollouts
+    ``recipe.resolved.json``; the orchestrator reads that and builds its episodes, and an agent
+    run starts its endpoint. Returns the endpoint's call cap (None: uncapped), or "no endpoint"."""
+    from backends.rollout.episodes.agent import AgentEpisodes
+    from backends.rollout.episodes.environment import EnvironmentEpisodes
+    from backends.rollout.orchestrator import Orchestrator
     from skyrl_cli.recipe.loader import load_recipe
 
     paths = RunDir(run_dir).prepare(load_recipe(recipe_path), overwrite=True)
@@ -133,18 +135,18 @@ def start_run(recipe_path: Path, run_dir: Path, tok):
         events=None,
         async_mode=False,
     )
-    if orchestrator.agent is None:
-        assert orchestrator.make_env is not None
+    episodes = orchestrator.episodes
+    if not isinstance(episodes, AgentEpisodes):
+        assert isinstance(episodes, EnvironmentEpisodes)
         return "no endpoint"
-    assert orchestrator.make_env is None  # an agent run builds no environment
+    assert not hasattr(episodes, "make_env")  # an agent run builds no environment
 
     async def endpoint_cap():
-        rollouts = Rollouts(recipe, tok, [], Client(), paths, None, orchestrator.tool_use)
-        server = await orchestrator.start_agent_server(Client(), rollouts)
+        await episodes.start(Client(), [tok.eos_token_id])
         try:
-            return server.max_calls
+            return episodes.server.max_calls
         finally:
-            await server.stop()
+            await episodes.stop()
 
     return asyncio.run(endpoint_cap())
 
@@ -167,6 +169,17 @@ def test_validate_and_the_run_agree(workdir, tok, source, scorer, max_turns, par
         assert cap == max_turns  # the stated cap, or none where the recipe states none
     else:
         assert cap == "no endpoint"
+
+
+def test_every_episode_kind_has_a_runner():
+    from typing import get_args
+
+    from backends.rollout.episodes import RUNNERS, runner_class
+    from skyrl_contracts.episodes import EpisodeKind
+
+    assert set(RUNNERS) == set(get_args(EpisodeKind))
+    for kind in RUNNERS:
+        assert callable(getattr(runner_class(kind), "trajectory"))
 
 
 def test_the_combinations_cover_both_outcomes(workdir):

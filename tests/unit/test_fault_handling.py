@@ -203,7 +203,7 @@ def test_a_weight_sync_waits_while_no_engine_is_reachable(tmp_path):
 
     pytest.importorskip("torch")
     from backends.inference.weight_sync import NoEngineReachable
-    from backends.rollout.orchestrator import EngineSync
+    from backends.rollout.engine_sync import EngineSync
     from tests.unit.test_rollout_orchestrator import _orchestrator
 
     orchestrator, _, engines, _, _ = _orchestrator(tmp_path, async_mode=False)

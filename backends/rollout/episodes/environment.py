@@ -1,0 +1,109 @@
+"""Environment episodes: the recipe's ``Environment`` driven turn by turn through the router.
+
+Covers every episode that an ``Environment`` runs: the recipe's ``rl.environment``, a built-in
+task's (with tools for ``lookup``), a reward function's single-turn wrapper and the math default
+(``backends.rollout.environments.environment_factory``). Each trajectory keeps its token context
+in a ``RolloutSession``; turn 0 of a group's trajectories is sampled together (``SharedFirstTurn``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from backends.data.chat import continuation_text, encode_prompt, encode_text
+from backends.rollout.environments import TurnText, environment_factory, run_episode
+from backends.rollout.rewards import GuardedCaller
+from backends.rollout.session import RolloutSession
+from skyrl_contracts.episodes import turn_limit
+from skyrl_contracts.schema import Recipe
+
+from .tools import tool_use
+
+log = logging.getLogger("skyrl.orchestrator")
+
+
+def encode_observation(tokenizer, history, messages, tools=()) -> list[int]:
+    """Tokens of an environment observation appended after the model's turn, ending with the
+    assistant's generation prompt: what the chat template writes after that turn when the
+    observation follows it (``continuation_text``). A template that renders the history differently
+    once more follows gets the observation's messages rendered alone, less a leading BOS."""
+    text = continuation_text(tokenizer, history, messages, tools)
+    if text is not None:
+        return encode_text(tokenizer, text)
+    if not encode_observation.warned:  # once per run: it holds for every observation of this template
+        log.warning("the chat template rewrites the conversation before an observation; it is rendered alone")
+        encode_observation.warned = True
+    ids = encode_prompt(tokenizer, messages)
+    if tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]:
+        ids = ids[1:]
+    return ids
+
+
+encode_observation.warned = False
+
+
+class EnvironmentEpisodes:
+    """``EpisodeRunner`` for environments: reset, then a model turn and a step (or its tool calls)
+    until done or the turn limit."""
+
+    first_turn_wait_s = None  # every trajectory of a group reaches its first turn (or skips it)
+
+    def __init__(self, recipe: Recipe, tokenizer):
+        self.rl, self.tokenizer = recipe.rl, tokenizer
+        self.make_env = environment_factory(recipe)
+        self.tool_use = tool_use(recipe, tokenizer, self.make_env)
+        self.max_turns = turn_limit(recipe)
+        self.caller = GuardedCaller(self.rl.reward_timeout_s, self.rl.env_concurrency)
+        self.eos = tokenizer.eos_token or ""
+        self.client, self.stop_ids = None, []
+
+    async def start(self, client, stop_ids: Sequence[int]) -> None:
+        self.client, self.stop_ids = client, list(stop_ids)
+
+    async def stop(self) -> None:
+        return None
+
+    async def trajectory(self, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0):
+        """One trajectory: ([its session], episode). ``first_turn``: the group's ``SharedFirstTurn``,
+        which samples turn 0 of all its trajectories together. The session's router pin is always
+        released."""
+        session: RolloutSession | None = None
+
+        async def generate(history, new_messages, tools):
+            nonlocal session
+            if not history:
+                session = RolloutSession(self.client, encode_prompt(self.tokenizer, new_messages, tools), session_id)
+                if first_turn is not None:
+                    return self.decode(await first_turn.take(index, session))
+            else:
+                session.add_observation(encode_observation(self.tokenizer, history, new_messages, tools))
+            completion = await session.generate(
+                max_tokens=self.rl.max_new_tokens, temperature=temperature, stop_token_ids=self.stop_ids
+            )
+            return self.decode(completion)
+
+        try:
+            episode = await run_episode(self.make_env, row, generate, self.caller, self.max_turns, self.tool_use)
+        finally:
+            if first_turn is not None:
+                first_turn.skip(index)  # an episode that ended before turn 0 must not hold up the group
+            if session is not None:
+                await session.finish()
+        return ([session] if session is not None else []), episode
+
+    def decode(self, completion) -> TurnText:
+        if completion is None:
+            return TurnText("", "")
+        raw = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+        if self.eos and raw.endswith(self.eos):
+            raw = raw[: -len(self.eos)]
+        return TurnText(self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), raw)
+
+    def sample_info(self, episode, parts) -> dict[str, float]:
+        if self.tool_use is None:
+            return {}
+        return {"tool_calls": episode.tool_calls, "tool_errors": len(episode.tool_errors)}
+
+    def sample_turns(self, part, episode) -> int:
+        return episode.turns
