@@ -240,10 +240,10 @@ def learner_run_dir(root: Path, model_dir: Path, steps: int, prompts: int, sampl
     """A run directory as ``skyrl rl`` lays it out, with the recipe and ``steps`` synthetic batches."""
     import random
 
-    from backends.rollout.batch import Sample
     from skyrl_contracts.atomic import write_json
     from skyrl_contracts.exchange import RunExchange
     from skyrl_contracts.rundir import RunDir, recipe_json
+    from skyrl_contracts.samples import Sample
     from skyrl_contracts.schema import Recipe
 
     recipe = Recipe.model_validate(

@@ -8,8 +8,8 @@ directory (``config.json``, ``model.safetensors``, tokenizer files) that transfo
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
+from backends.models.hf_dir import save_hf  # noqa: F401 - loading's callers save with it too
 from skyrl_contracts.schema import ModelConfig
 
 
@@ -58,17 +58,6 @@ def load_model(model_cfg: ModelConfig, tokenizer, seed: int, attn_implementation
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     return model
-
-
-def save_hf(model, tokenizer, out_dir: str | os.PathLike, state_dict=None) -> Path:
-    """Write an HF model directory (safetensors) with the tokenizer; ``state_dict`` overrides the
-    module's own tensors (ZeRO-3 gathered or LoRA-merged weights)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    return out
 
 
 def plain_copy(model, state_dict=None):

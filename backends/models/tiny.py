@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from backends.models.loading import save_hf
+    from backends.models.hf_dir import save_hf
     from backends.models.tokenizer import build_char_tokenizer
 
     parser = argparse.ArgumentParser(prog="python -m backends.models.tiny", description=main.__doc__.splitlines()[0])

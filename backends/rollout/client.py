@@ -298,9 +298,3 @@ class RolloutClient:
         except httpx.HTTPError as err:
             log.warning("finish_session %s failed: %s", session_id, err)
             return False
-
-    def session(self, prompt_ids: Sequence[int], session_id: str):
-        """A multi-turn trajectory: ``async with client.session(ids, sid) as s: await s.generate(...)``."""
-        from backends.rollout.session import RolloutSession
-
-        return RolloutSession(self, prompt_ids, session_id)

@@ -21,10 +21,10 @@ Each trajectory gets its own instance (``EnvironmentFactory()``, then ``reset(ro
 Every call into an environment (user code) goes through ``GuardedCaller``: an exception or a
 timeout ends the episode with reward 0 and an error record instead of crashing the run.
 
-Which environment a recipe gets (``environment_factory``): ``rl.environment`` (a user class),
-else ``rl.reward`` (a user function on a single-turn episode), else the built-in task's
-environment (``data.task``: exact match, or the ``lookup`` task's tool environment), else math
-answers checked with math-verify against the row's answer.
+Which environment a recipe gets is ``backends.rollout.episodes.environment.environment_factory``'s
+choice: ``rl.environment`` (a user class), else ``rl.reward`` (a user function on a single-turn
+episode), else the built-in task's environment (``data.task``: exact match, or the ``lookup``
+task's tool environment), else math answers checked with math-verify against the row's answer.
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from skyrl_contracts.errors import UsageError
-from skyrl_contracts.schema import Recipe
-
-from .rewards import GuardedCaller, RewardFn, as_reward, load_object, load_reward_fn, math_reward
+from .rewards import GuardedCaller, RewardFn, as_reward, math_reward
 
 Message = dict[str, Any]
 Messages = list[Message]
@@ -171,36 +168,7 @@ class MathEnvironment(SingleTurnEnvironment):
         super().__init__(reward_fn=_row_math_reward)
 
 
-# ------------------------------------------------------------------------------ recipe -> factory
-
 EnvironmentFactory = Callable[[], Environment]
-
-
-def environment_factory(recipe: Recipe) -> EnvironmentFactory:
-    """A callable that builds a fresh environment per trajectory, as the recipe asks."""
-    rl = recipe.rl
-    if rl is None:
-        raise UsageError("the recipe has no [rl] section")
-    if rl.environment and rl.reward:
-        raise UsageError("set rl.environment or rl.reward, not both (an environment computes its own reward)")
-    if rl.environment:
-        cls = load_object(rl.environment, "rl.environment")
-        if not (inspect.isclass(cls) and issubclass(cls, Environment)):
-            raise UsageError(
-                f"rl.environment {rl.environment!r} must be a subclass of backends.rollout.environments.Environment"
-            )
-        return cls
-    if rl.reward:
-        fn = load_reward_fn(rl.reward)
-        return lambda: SingleTurnEnvironment(fn)
-    if recipe.data.task is not None:
-        from backends.data.tasks import get_task
-
-        task = get_task(recipe.data.task, recipe.data.digits)
-        if task.environment is not None:
-            return task.environment
-        return lambda: TaskEnvironment(task)
-    return MathEnvironment
 
 
 # ------------------------------------------------------------------------------ guarded episode

@@ -5,11 +5,11 @@ so that what the trainer learns from is exactly what the engine saw and sampled:
 of text between turns. Every turn is sent with the session's id (sticky routing) and the router pin
 is released when the session ends, also when it ends with an error::
 
-    async with client.session(prompt_ids, session_id) as s:
+    async with RolloutSession(client, prompt_ids, session_id) as s:
         turn = await s.generate(max_tokens=64, temperature=1.0)
         s.add_observation(tokenizer.encode(feedback))
         turn = await s.generate(max_tokens=64, temperature=1.0)
-    s.response_ids, s.loss_mask, s.rollout_logprobs, s.policy_versions   # -> backends.rollout.batch.Sample
+    s.response_ids, s.loss_mask, s.rollout_logprobs, s.policy_versions   # -> skyrl_contracts.samples.Sample
 
 A turn that would exceed the engines' ``max_model_len`` is shortened to fit; when no room is left
 the session reports ``finish_reason = "length"`` without a request.

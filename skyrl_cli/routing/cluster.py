@@ -11,6 +11,7 @@ from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.inference import Machine
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.schema import Recipe
 
 
 class SupervisedCluster:
@@ -25,9 +26,12 @@ class SupervisedCluster:
         router_port: int,
         prometheus_port: int,
         run_dir: RunDir,
+        recipe: Recipe,
     ):
+        """``recipe``: the level's (its router settings; ``start_router`` sets the policy)."""
         from skyrl_cli.plan.inference import engine_url
 
+        self.recipe = recipe
         self.supervisor = supervisor
         self.machine = machine
         self.engines = engines
@@ -43,11 +47,11 @@ class SupervisedCluster:
         import asyncio
 
         from skyrl_cli.plan.inference import router_spec
-        from skyrl_cli.routing.live_bench import live_recipe
 
-        router = router_spec(
-            live_recipe(policy, 1, 1), self.machine, self.engine_urls, self.router_port, self.prometheus_port
-        )
+        inference = self.recipe.inference
+        router = inference.router.model_copy(update={"policy": policy})
+        recipe = self.recipe.model_copy(update={"inference": inference.model_copy(update={"router": router})})
+        router = router_spec(recipe, self.machine, self.engine_urls, self.router_port, self.prometheus_port)
         if self._router_started:
             self.supervisor.restart("router", router)
         else:
@@ -81,4 +85,6 @@ def start_cluster(request, say: Callable[[str], None] = print) -> Iterator[Super
         for engine in engines:
             sup.start(engine)
         sup.wait_ready([e.name for e in engines])
-        yield SupervisedCluster(sup, machine, engines, urls, router_port, prometheus_port, request.run_dir)
+        yield SupervisedCluster(
+            sup, machine, engines, urls, router_port, prometheus_port, request.run_dir, request.recipe
+        )

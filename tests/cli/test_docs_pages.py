@@ -97,7 +97,7 @@ def test_sort_again_scores_a_first_and_a_second_try(answers, reward, turns):
 
 
 def test_the_fragment_validates_in_a_copy_of_own_task_with_the_environment_next_to_it(tmp_path, monkeypatch):
-    from backends.rollout.environments import environment_factory
+    from backends.rollout.episodes.environment import environment_factory
     from skyrl_cli.commands.common import load_for_run
     from skyrl_cli.commands.recipes import copy_recipe
 

@@ -32,7 +32,9 @@ def run(coro):
 async def multi_turn(
     client, session_id: str, prompt, turns: int, max_tokens: int, temperature: float = 1.0, **sampling
 ):
-    async with client.session(prompt, session_id) as session:
+    from backends.rollout.session import RolloutSession
+
+    async with RolloutSession(client, prompt, session_id) as session:
         completions = []
         for turn in range(turns):
             if turn:

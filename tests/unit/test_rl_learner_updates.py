@@ -14,9 +14,9 @@ import copy
 import pytest
 import torch
 
-from backends.rollout.batch import Sample
 from backends.train.engine import Dist
 from backends.train.rl.step import RLStep
+from skyrl_contracts.samples import Sample
 from skyrl_contracts.schema import Recipe
 
 VOCAB, PROMPT_LEN, RESPONSE_LEN = 32, 4, 5

@@ -14,10 +14,10 @@ from backends.rollout.environments import (
     StepResult,
     TaskEnvironment,
     TurnText,
-    environment_factory,
     prompt_and_answer,
     run_episode,
 )
+from backends.rollout.episodes.environment import environment_factory
 from backends.rollout.rewards import GuardedCaller
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe

@@ -2,20 +2,31 @@
 
 Covers every episode that an ``Environment`` runs: the recipe's ``rl.environment``, a built-in
 task's (with tools for ``lookup``), a reward function's single-turn wrapper and the math default
-(``backends.rollout.environments.environment_factory``). Each trajectory keeps its token context
+(``environment_factory``). Each trajectory keeps its token context
 in a ``RolloutSession``; turn 0 of a group's trajectories is sampled together (``SharedFirstTurn``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Mapping, Sequence
 
 from backends.data.chat import continuation_text, encode_prompt, encode_text
-from backends.rollout.environments import TurnText, environment_factory, run_episode
-from backends.rollout.rewards import GuardedCaller
+from backends.data.tasks import get_task
+from backends.rollout.environments import (
+    Environment,
+    EnvironmentFactory,
+    MathEnvironment,
+    SingleTurnEnvironment,
+    TaskEnvironment,
+    TurnText,
+    run_episode,
+)
+from backends.rollout.rewards import GuardedCaller, load_object, load_reward_fn
 from backends.rollout.session import RolloutSession
 from skyrl_contracts.episodes import turn_limit
+from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 
 from .tools import tool_use
@@ -41,6 +52,31 @@ def encode_observation(tokenizer, history, messages, tools=()) -> list[int]:
 
 
 encode_observation.warned = False
+
+
+def environment_factory(recipe: Recipe) -> EnvironmentFactory:
+    """A callable that builds a fresh environment per trajectory, as the recipe asks."""
+    rl = recipe.rl
+    if rl is None:
+        raise UsageError("the recipe has no [rl] section")
+    if rl.environment and rl.reward:
+        raise UsageError("set rl.environment or rl.reward, not both (an environment computes its own reward)")
+    if rl.environment:
+        cls = load_object(rl.environment, "rl.environment")
+        if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+            raise UsageError(
+                f"rl.environment {rl.environment!r} must be a subclass of backends.rollout.environments.Environment"
+            )
+        return cls
+    if rl.reward:
+        fn = load_reward_fn(rl.reward)
+        return lambda: SingleTurnEnvironment(fn)
+    if recipe.data.task is not None:
+        task = get_task(recipe.data.task, recipe.data.digits)
+        if task.environment is not None:
+            return task.environment
+        return lambda: TaskEnvironment(task)
+    return MathEnvironment
 
 
 class EnvironmentEpisodes:
