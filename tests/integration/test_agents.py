@@ -297,7 +297,7 @@ REPO_DOCS = Path(__file__).resolve().parents[2] / "docs"
 def user_data_recipe(workdir: Path, name: str, agent: str) -> Path:
     """An RL-only recipe on the user's own JSONL rows (not a built-in task), from the SFT model of
     this module, naming ``agent``, with no rl.max_turns. Rows carry the fields the docs' agent
-    reads (``prompt``, ``answer``, ``stock``)."""
+    reads (``prompt``, ``answer``, ``table``)."""
     import tomli_w
 
     from backends.data.tasks import get_task
@@ -306,7 +306,7 @@ def user_data_recipe(workdir: Path, name: str, agent: str) -> Path:
     folder.mkdir(exist_ok=True)
     task = get_task("lookup", 2)
     for split, size in (("train", 64), ("eval", 8)):
-        rows = [{**r, "stock": {"main": {}}} for r in task.make_rows(11, size, split)]
+        rows = [{**r, "table": {r["prompt"][:-1]: r["answer"]}} for r in task.make_rows(11, size, split)]
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = {
         "name": name,

@@ -16,7 +16,8 @@ from tests.unit.test_agent_endpoint import ScriptedClient
 
 PAGE = DOCS / "agents.md"
 MARKER = ("run", "tests/unit/test_agent_docs.py")
-ROW = {"prompt": "apples?", "answer": 7, "stock": {"main": {"apple": 7}}}
+ROW = {"prompt": "apples?", "answer": 7, "stock": {"main": {"apple": 7}}}  # the environment's
+AGENT_ROW = {"prompt": "kqz?", "answer": "417", "table": {"kqz": "417", "abq": "052"}}  # the agent's
 
 
 def examples() -> list[str]:
@@ -56,7 +57,7 @@ def test_the_tool_environment_example_runs(parser):
 
 def test_the_agent_example_runs_against_the_endpoint(tok, parser):
     solve = load(examples()[1], "my_agent").solve
-    script = ['[count_items(product="apple")]<eos>', "7<eos>"]
+    script = ['[lookup(key="kqz")]<eos>', "417<eos>"]
 
     async def main():
         client = ScriptedClient(tok, script)
@@ -64,7 +65,7 @@ def test_the_agent_example_runs_against_the_endpoint(tok, parser):
         await server.start()
         try:
             trajectory, endpoint = server.open("0-1_0")
-            outcome = await run_agent(solve, ROW, endpoint, 30.0)
+            outcome = await run_agent(solve, AGENT_ROW, endpoint, 30.0)
             await server.close("0-1_0")
         finally:
             await server.stop()
