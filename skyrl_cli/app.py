@@ -17,6 +17,20 @@ from skyrl_contracts.errors import SkyrlError
 
 COMMAND_MODULES = ("recipes", "completions", "sft", "rl", "quantize", "engines", "bench", "tinker", "runs", "doctor")
 
+
+def _flags_without_a_type(display_type_rich):
+    """typer 0.29's help labels every flag ``<bool>``, a value a flag never takes (``--help <bool>``
+    was the first line a user read)."""
+
+    def display(self, ctx):
+        return None if self.is_flag else display_type_rich(self, ctx)
+
+    return display
+
+
+if hasattr(typer.core.TyperOption, "display_type_rich"):  # typer before 0.29 shows no type for flags
+    typer.core.TyperOption.display_type_rich = _flags_without_a_type(typer.core.TyperOption.display_type_rich)
+
 app = typer.Typer(
     name="skyrl",
     help="Post-train LLMs from one TOML recipe: SFT, fully-async RL on vLLM + vllm-router, DeepSpeed.",

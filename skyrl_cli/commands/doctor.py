@@ -104,10 +104,10 @@ def register(app: typer.Typer) -> None:
         ] = False,
         json_: Annotated[bool, typer.Option("--json", help="One JSON object per check.")] = False,
     ) -> None:
-        """Pre-flight checks: Python and packages against the tested set, GPUs and their memory against the
-        recipe's layout, its ports, disk space for its checkpoints, that DeepSpeed, vLLM and vllm-router import
-        and start, gloo / NCCL and the recipe's hosts. One pass / fail line each, with the fix; exit code 1 when
-        any failed."""
+        """Pre-flight checks of this machine and the recipe's layout on it: one pass / fail line each, with the fix.
+
+        Python and packages against the tested set, GPUs and their memory against the recipe's layout, its ports, disk space for its checkpoints, that DeepSpeed, vLLM and vllm-router import and start, gloo / NCCL and the recipe's hosts. Exit code 1 when any failed.
+        """  # one line a paragraph: typer's rich help keeps a docstring's line breaks
         from skyrl_contracts.errors import SkyrlError
 
         checks = []
