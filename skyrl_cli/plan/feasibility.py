@@ -25,6 +25,7 @@ from skyrl_cli.plan.weight_sync import weight_sync_problems
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.validate import Problem, resolve_path
 from skyrl_contracts.errors import UsageError
+from skyrl_contracts.losses import ADVANTAGE_KINDS
 from skyrl_contracts.schema import Recipe
 
 
@@ -147,7 +148,7 @@ def _rl_problems(recipe: Recipe) -> list[Problem]:
                 ("rl", "prompts_per_step"), f"{sequences} sequences per step cannot be split over {world} trainer ranks"
             )
         )
-    if rl.advantage.kind in ("grpo", "rloo") and rl.samples_per_prompt < 2:
+    if ADVANTAGE_KINDS[rl.advantage.kind].group_baseline and rl.samples_per_prompt < 2:
         problems.append(
             Problem(("rl", "samples_per_prompt"), f"{rl.advantage.kind} needs at least 2 samples per prompt")
         )
