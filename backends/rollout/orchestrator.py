@@ -251,23 +251,15 @@ def build_orchestrator(
 
 
 def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
-    """The engines' weight loader for the plan's transport (``backends.rollout.orchestrator.engine_weights``)."""
-    from backends.inference.nccl_sync import NcclEngineWeights
-    from backends.inference.weight_sync import EngineAdapters, EngineWeights
-    from skyrl_contracts.exchange import RunExchange
+    """The engines' weight loader for the plan's transport (its module's engine side)."""
+    from backends.inference.transports import transport_module
 
-    reset = recipe.rl.async_.reset_prefix_cache
-    loaders = {
-        "disk": lambda: EngineWeights(engine_urls, run_dir, reset_prefix_cache=reset),
-        "int4": lambda: EngineWeights(engine_urls, run_dir, reset_prefix_cache=reset),  # W4A16 versions, reloaded
-        "lora": lambda: EngineAdapters(engine_urls, run_dir),
-        "nccl": lambda: NcclEngineWeights(engine_urls, run_dir, RunExchange(run_dir), reset_prefix_cache=reset),
-    }
-    return loaders[weight_sync]()
+    return transport_module(weight_sync).engine_loader(recipe, run_dir, engine_urls)
 
 
 def main(argv: list[str] | None = None) -> None:
     from skyrl_contracts.exchange import RunExchange, StopRequested
+    from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
     parser = argparse.ArgumentParser(
         prog="python -m backends.rollout.orchestrator", description=__doc__.splitlines()[0]
@@ -281,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         "--fresh", action="store_true", help="the run starts at version 0 (not --resume): no wait for the learner's v0"
     )
     parser.add_argument(
-        "--weight-sync", choices=("nccl", "disk", "lora", "int4"), default="disk", help="the plan's transport"
+        "--weight-sync", choices=TRANSPORT_NAMES, default=DEFAULT_TRANSPORT, help="the plan's transport"
     )
     parser.add_argument(
         "--import-path",

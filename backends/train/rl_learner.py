@@ -46,6 +46,7 @@ from skyrl_contracts.episodes import turn_limit
 from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
 from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORT_NAMES, TRANSPORTS
 
 BATCH_TIMEOUT_S = 3600.0
 
@@ -65,7 +66,7 @@ class Learner:
         run_dir: Path,
         init_from: Path,
         resume: bool,
-        weight_sync: str = "disk",
+        weight_sync: str = DEFAULT_TRANSPORT,
         nccl: NcclTarget | None = None,
         engine_dtype: str = "bfloat16",
     ):
@@ -135,7 +136,7 @@ class Learner:
         self.startup.lap("deepspeed engine")
         self.start_step = self._restore() if resume else 0
         quant = recipe.quantization
-        floor = sync_gap_floor(engine_dtype, weight_sync == "int4" and not quant.int4_qat)
+        floor = sync_gap_floor(engine_dtype, TRANSPORTS[weight_sync].quantized_versions and not quant.int4_qat)
         self.gap_check = None if floor is None else SyncGapCheck(floor)
         self.gap_warned = False
         from backends.train.publish import weight_publisher
@@ -218,9 +219,9 @@ class Learner:
         save_checkpoint(self.engine, self.run_dir, step, {"seed": self.recipe.seed}, self.export, self.rl.keep_last)
 
     def run(self) -> None:
-        from backends.rollout.batch import Sample
         from backends.train.checkpoint import remove_leftovers
         from backends.train.engine import grad_norm
+        from skyrl_contracts.samples import Sample
 
         rl = self.rl
         if self.dist.is_main:
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-from", required=True, type=Path, help="HF model directory of the initial policy")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument(
-        "--weight-sync", choices=("nccl", "disk", "lora", "int4"), default="disk", help="the plan's transport"
+        "--weight-sync", choices=TRANSPORT_NAMES, default=DEFAULT_TRANSPORT, help="the plan's transport"
     )
     parser.add_argument("--engine-urls", default="", help="nccl: comma-separated engines to send to")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="nccl: GPUs per engine")
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     nccl = None
-    if args.weight_sync == "nccl":
+    if TRANSPORTS[args.weight_sync].nccl_group:
         nccl = NcclTarget(tuple(u for u in args.engine_urls.split(",") if u), args.tensor_parallel, args.nccl_address)
     learner = Learner(
         args.run_dir.resolve(), args.init_from.resolve(), args.resume, args.weight_sync, nccl, args.engine_dtype

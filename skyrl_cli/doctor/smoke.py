@@ -35,22 +35,23 @@ def _model_dir(recipe: Recipe, base_dir: Path, scratch: Path, timeout_s: float) 
 
 
 def _reloads_full_weights(recipe: Recipe, device: str) -> bool:
-    """The plan's transport is a full-weight reload (LoRA adapters and INT4 exports are other paths;
-    NCCL needs a trainer, so the smoke test checks its disk fallback)."""
+    """The plan's transport has the engines reload full weights into ``engine-model/`` (LoRA adapters
+    and INT4 exports are other paths; NCCL needs a trainer, so the smoke test checks its disk fallback)."""
     from skyrl_cli.plan.weight_sync import select_weight_sync
+    from skyrl_contracts.transports import TRANSPORTS
 
-    return select_weight_sync(recipe, device, transfer_available=False) == "disk"
+    return TRANSPORTS[select_weight_sync(recipe, device, transfer_available=False)].engine_model == "untied"
 
 
 def _served_model(
     recipe: Recipe, device: str, model_dir: Path, scratch: Path, machine: MachineFacts, timeout_s: float
 ) -> tuple[Path | None, str]:
     """What the RL stage's engines start from: the plan's setup job's ``engine-model/`` (a tied model untied)."""
-    from skyrl_cli.plan.rl import engine_model_setup
+    from skyrl_cli.plan.rl import untied_engine_model
 
     if not _reloads_full_weights(recipe, device):
         return model_dir, ""
-    (setup,), served = engine_model_setup("disk", scratch, model_dir, machine)
+    (setup,), served = untied_engine_model(scratch, model_dir, machine)
     made = run_child(setup.argv, timeout_s)
     return (served, "") if made.ok else (None, f"preparing the engines' model failed: {made.output}")
 

@@ -40,6 +40,7 @@ from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
 from skyrl_cli.plan.pool import WARM_NAMES, engine_signature, first_difference, model_signature, unpoolable
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import LaunchError, UsageError
+from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS
 
 POOL_FILE = "pool.json"
 WARM_TIMEOUT_S = 300.0
@@ -228,7 +229,7 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
         recipe=recipe_name,
         created_at=time.time(),
         async_mode=plan.async_mode,
-        weight_sync=plan.weight_sync or "disk",
+        weight_sync=plan.weight_sync or DEFAULT_TRANSPORT,
         served_model=served[served.index("backends.inference.serve") + 1],
         model_signature=model_sig,
         engines=[PoolProcess(p.spec, p.popen.pid, str(p.log_path)) for p in started],
@@ -344,7 +345,7 @@ def fit_problem(pool: Pool, run_plan: LaunchPlan, engines_needed: int, init_mode
     """Why ``pool`` cannot serve a run whose own plan is ``run_plan`` (its engines as it would
     start them); None when it fits. ``init_model`` is checked when it exists (an SFT stage that
     runs first writes it later: the run checks again when it attaches)."""
-    why = unpoolable(run_plan.weight_sync or "disk")
+    why = unpoolable(run_plan.weight_sync or DEFAULT_TRANSPORT)
     if why:
         return why
     if not pool.alive():
@@ -365,7 +366,7 @@ def fit_problem(pool: Pool, run_plan: LaunchPlan, engines_needed: int, init_mode
         difference = first_difference(pool.model_signature, model_signature(init_model))
         if difference:
             return f"another model shape ({difference})"
-        if pool.weight_sync == "lora" and Path(pool.served_model).resolve() != init_model.resolve():
+        if TRANSPORTS[pool.weight_sync].adapters and Path(pool.served_model).resolve() != init_model.resolve():
             return f"LoRA runs need the pool's base model ({pool.served_model}), not {init_model}"
     return None
 
@@ -432,7 +433,7 @@ def load_run_weights(pool: Pool, run_dir: Path) -> None:
     from skyrl_contracts.rundir import RunDir
 
     urls = pool.engine_urls
-    if pool.weight_sync == "lora":
+    if TRANSPORTS[pool.weight_sync].adapters:
         run_blocking(unload_policy_adapters(urls))
         run_blocking(set_weight_version(urls, "0"))
         return

@@ -56,6 +56,7 @@ from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.recipe.lengths import with_model_lengths
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 from skyrl_contracts.schema import Recipe, RouterConfig, SpeculativeConfig
+from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS
 
 # Attention head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py);
 # the GPU backends accept all of them too.
@@ -119,7 +120,7 @@ def engine_argv(
     model_dir: str,
     index: int = 0,
     async_mode: bool = False,
-    weight_sync: str = "disk",
+    weight_sync: str = DEFAULT_TRANSPORT,
     seed_offset: int = 0,
 ) -> tuple[str, ...]:
     inf = recipe.inference
@@ -163,8 +164,7 @@ def engine_argv(
             "--gpu-memory-utilization",
             str(inf.gpu_memory_utilization),
         ]
-    if weight_sync == "nccl":  # the receiving side of backends.inference.nccl_sync
-        argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    argv += TRANSPORTS[weight_sync].engine_flags
     if inf.speculative is not None:
         argv += ["--speculative-config", speculative_config_json(inf.speculative)]
     if recipe.model.lora is not None:
@@ -242,13 +242,13 @@ def engine_specs(
     ports: Sequence[int],
     model_dir: str,
     async_mode: bool = False,
-    weight_sync: str = "disk",
+    weight_sync: str = DEFAULT_TRANSPORT,
     seed_offset: int = 0,
 ) -> list[ProcessSpec]:
     """One ProcessSpec per local engine (``recipe.inference.engines`` of them). The devices fit:
     ``skyrl_cli.plan.feasibility`` checked them when the recipe was loaded. ``async_mode``: the RL
     stage runs with ``--async`` (more LoRA versions may be live at once, see ``max_loras``);
-    ``weight_sync``: the RL run's (``skyrl_cli.plan.weight_sync``), "nccl" adds the transfer engine.
+    ``weight_sync``: the RL run's (``skyrl_cli.plan.weight_sync``), whose engine flags it adds.
     ``seed_offset``: engines of earlier nodes (across nodes every engine gets a sampling seed of its own)."""
     # A loaded recipe passes through unchanged; one built in code (tests, benchmarks) gets the
     # length defaults the loader would have given it.

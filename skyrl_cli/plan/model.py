@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from skyrl_contracts.transports import TransportName
+
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -63,7 +65,7 @@ class LaunchPlan(Frozen):
     router_url: str | None = None
     processes: tuple[ProcessSpec, ...] = ()
     # RL: how policy versions reach the engines (skyrl_cli.plan.weight_sync); None for other stages.
-    weight_sync: Literal["nccl", "disk", "lora", "int4"] | None = None
+    weight_sync: TransportName | None = None
     # RL on an engine pool's engines and router (skyrl engines up): its name; they are not in processes.
     pool: str | None = None
     # Across nodes ([cluster], skyrl_cli.plan.nodes): this plan is node ``node``'s of ``nodes``, with

@@ -26,6 +26,7 @@ from skyrl_cli.plan.rl import ORCHESTRATOR_ENV, engine_model_setup, inference_ma
 from skyrl_cli.plan.trainer import trainer_device, trainer_resources, trainer_spec
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
+from skyrl_contracts.transports import TRANSPORTS
 
 POOL_STAGE = "pool"
 STANDBY_MODULE = "backends.standby"
@@ -43,14 +44,7 @@ _MODEL_NOISE = ("_name_or_path", "torch_dtype", "dtype", "transformers_version",
 
 def unpoolable(weight_sync: str) -> str | None:
     """Why a run with this weight sync cannot use a pool; None when it can."""
-    if weight_sync == "int4":
-        return "quantization.int4_rollouts: the engines serve the INT4 export from start-up; this run starts its own"
-    if weight_sync == "nccl":
-        return (
-            'the NCCL weight sync opens its group with the trainer when the engines start; set inference.weight_sync = "disk" '
-            "to use a pool"
-        )
-    return None
+    return TRANSPORTS[weight_sync].pool_refusal
 
 
 def plan_pool(

@@ -1,6 +1,6 @@
 """The RL stage's plan: vLLM engines, vllm-router, the orchestrator and the torchrun learner.
 
-The plan lists the processes; ``skyrl_cli.commands.rl.run_rl`` starts them: setup jobs to their end
+The plan lists the processes; ``skyrl_cli.stages.local.run_rl`` starts them: setup jobs to their end
 (``engine-model/``, or the INT4 export), the engines with the learner beside them
 (``start_with_engines``; with NCCL it waits for them), the router, then the orchestrator. The
 orchestrator and the learner meet in the run directory (``skyrl_contracts.exchange``), so the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
@@ -26,6 +26,7 @@ from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resourc
 from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
+from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS, EngineModel, TransportName
 
 ORCHESTRATOR_NAME = "orchestrator"
 LEARNER_MODULE = "backends.train.rl_learner"
@@ -70,7 +71,7 @@ def orchestrator_spec(
     machine: MachineFacts,
     async_mode: bool,
     recipe_dir: Path | None = None,
-    weight_sync: str = "disk",
+    weight_sync: str = DEFAULT_TRANSPORT,
     resume: bool = False,
 ) -> ProcessSpec:
     """``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
@@ -109,32 +110,49 @@ UNTIE_MODULE = "backends.models.tied"
 def engine_model_setup(
     weight_sync: str, run_dir: Path, init_from: Path, machine: MachineFacts
 ) -> tuple[tuple[ProcessSpec, ...], Path]:
-    """The model the engines start from, and the setup job that makes it. Returns (setup jobs, model).
+    """The model the engines start from, and the setup job that makes it. Returns (setup jobs, model),
+    by the transport's ``engine_model`` (``skyrl_contracts.transports``)."""
+    return ENGINE_MODELS[TRANSPORTS[weight_sync].engine_model](run_dir, init_from, machine)
 
-    By the plan's ``weight_sync``:
-    - "lora": ``init_from`` itself (its weights never reload; versions are adapters).
-    - "int4" (``quantization.int4_rollouts``): the engines serve W4A16 from the start; a setup job exports
-      the initial policy into ``int4/`` (every later version comes from the learner, exported).
-    - Otherwise ``engine-model/``, links to ``init_from``'s files, with a tied model served untied
-      (``backends.models.tied``: vLLM's in-place reload keeps a tied head at its first weights).
-      The job decides at run time, when an SFT stage that runs first has written ``init_from``.
-    Both exports write a tied head out, so every version the engines reload carries it."""
+
+def as_is_engine_model(run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
+    """``init_from`` itself: its weights never reload (the versions are adapters), so nothing to make."""
+    return (), init_from
+
+
+def int4_engine_model(run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
+    """The engines serve W4A16 from the start: a setup job exports the initial policy into ``int4/``
+    (every later version comes from the learner, exported)."""
     from skyrl_cli.plan.quantize import ptq_spec
     from skyrl_contracts.rundir import RunDir
 
-    if weight_sync == "lora":
-        return (), init_from
-    if weight_sync == "int4":
-        spec = ptq_spec(run_dir, str(init_from), machine)
-        spec = spec.model_copy(update={"kind": "setup", "argv": (*spec.argv, "--setup")})
-        return (spec,), RunDir(run_dir).int4
+    spec = ptq_spec(run_dir, str(init_from), machine)
+    spec = spec.model_copy(update={"kind": "setup", "argv": (*spec.argv, "--setup")})
+    return (spec,), RunDir(run_dir).int4
+
+
+def untied_engine_model(run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
+    """``engine-model/``, links to ``init_from``'s files, with a tied model served untied
+    (``backends.models.tied``: vLLM's in-place reload keeps a tied head at its first weights).
+    The job decides at run time, when an SFT stage that runs first has written ``init_from``.
+    The learner's exports write a tied head out too, so every version the engines reload carries it."""
+    from skyrl_contracts.rundir import RunDir
+
     served = RunDir(run_dir).engine_model
     argv = (machine.python, "-m", UNTIE_MODULE, "--src", str(init_from), "--out", str(served))
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     return (ProcessSpec(name=ENGINE_MODEL_JOB, role="setup", argv=argv, env=env, kind="setup"),), served
 
 
-def rl_weight_sync(recipe: Recipe, machine: MachineFacts) -> str:
+EngineModelSetup = Callable[[Path, Path, MachineFacts], tuple[tuple[ProcessSpec, ...], Path]]
+ENGINE_MODELS: dict[EngineModel, EngineModelSetup] = {
+    "init_from": as_is_engine_model,
+    "int4_export": int4_engine_model,
+    "untied": untied_engine_model,
+}
+
+
+def rl_weight_sync(recipe: Recipe, machine: MachineFacts) -> TransportName:
     """How this recipe's policy versions reach its engines on ``machine`` (``select_weight_sync``)."""
     device = trainer_device(recipe, machine)
     return select_weight_sync(recipe, device, device == "cuda" and vllm_weight_transfer_available())
@@ -219,7 +237,8 @@ def rl_trainer_spec(
     device = trainer_device(recipe, machine)
     inf_machine = inference_machine(recipe, machine, device)
     weight_sync = rl_weight_sync(recipe, machine)
-    if weight_sync == "nccl" and nccl_port is None:
+    transport = TRANSPORTS[weight_sync]
+    if transport.nccl_group and nccl_port is None:
         nccl_port = recipe.cluster.port + 1 if recipe.cluster is not None else machine.free_ports(1)[0]
     trainer = trainer_spec(
         recipe,
@@ -237,8 +256,7 @@ def rl_trainer_spec(
             *learner_sync_args(recipe, weight_sync, list(engine_urls), nccl_host, nccl_port or 0),
         ),
     )
-    # With NCCL the learner opens its group with the engines at start-up, so it waits for them.
-    return trainer.model_copy(update={"start_with_engines": weight_sync != "nccl"})
+    return trainer.model_copy(update={"start_with_engines": transport.start_with_engines})
 
 
 def peer_engine_specs(
@@ -262,14 +280,14 @@ def peer_engine_specs(
 def learner_sync_args(
     recipe: Recipe, weight_sync: str, engine_urls: list[str], host: str, port: int
 ) -> tuple[str, ...]:
-    """The learner's transport (``backends.train.publish``); for NCCL also where rank 0 opens the group
-    (``host:port``, the rendezvous of the trainer's sender and every engine worker) and the engines
-    whose transfer routes it drives."""
-    if weight_sync != "nccl":
+    """The learner's transport (``backends.train.publish``); for one with an NCCL group also where rank 0
+    opens it (``host:port``, the rendezvous of the trainer's sender and every engine worker) and the
+    engines whose transfer routes it drives."""
+    if not TRANSPORTS[weight_sync].nccl_group:
         return ("--weight-sync", weight_sync)
     return (
         "--weight-sync",
-        "nccl",
+        weight_sync,
         "--engine-urls",
         ",".join(engine_urls),
         "--tensor-parallel",

@@ -14,20 +14,22 @@ once, when the plan is made, and recorded in it (``LaunchPlan.weight_sync``):
 
 ``"auto"`` (the default) is "nccl" where all of its conditions hold, else "disk". An explicit
 ``"nccl"`` that cannot hold is a recipe error (``weight_sync_problems``), never a silent disk run.
+
+This module only decides; what each transport means to the plan and the workers is its entry in
+``skyrl_contracts.transports.TRANSPORTS``, read by the name chosen here.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Literal
 
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.trainer import trainer_device
 from skyrl_cli.recipe.validate import Problem
 from skyrl_contracts.schema import Recipe
+from skyrl_contracts.transports import TransportName
 
-WeightSync = Literal["nccl", "disk", "lora", "int4"]
 KEY = ("inference", "weight_sync")
 # The files of vLLM that the NCCL path uses: the trainer-side engine and the engines' HTTP routes.
 VLLM_TRANSFER_FILES = ("distributed/weight_transfer/nccl_engine.py", "entrypoints/rl/online/api_router.py")
@@ -66,7 +68,7 @@ def nccl_obstacles(recipe: Recipe, device: str, transfer_available: bool) -> lis
     return why
 
 
-def select_weight_sync(recipe: Recipe, device: str, transfer_available: bool) -> WeightSync:
+def select_weight_sync(recipe: Recipe, device: str, transfer_available: bool) -> TransportName:
     """The run's one choice of transport: both the learner (``backends.train.publish``) and the
     orchestrator (``backends.rollout.orchestrator.engine_weights``) act on it, nothing else."""
     if recipe.model.lora is not None:

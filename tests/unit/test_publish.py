@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from backends.train.publish import FilePublisher, NcclFirstVersionAsFiles, weight_publisher
+from backends.inference.transports.publishers import FilePublisher, NcclFirstVersionAsFiles
+from backends.train.publish import weight_publisher
 
 
 class Exchange:
