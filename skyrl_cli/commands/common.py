@@ -14,39 +14,41 @@ Options, as Typer ``Annotated`` types to put in a command's signature::
         overwrite: common.OverwriteOpt = False,
         quiet: common.QuietOpt = False,
         json_: common.JsonOpt = False,
+        node_rank: common.NodeRankOpt = None,
+        slurm: common.SlurmOpt = False,
     ) -> None:
-        mode = common.output_mode(quiet, json_)
-        machine = detect_machine()  # skyrl_cli.plan.machine: validation and the plan see the same facts
-        loaded = common.load_for_run(recipe, set_, "sft", machine=machine)  # RecipeError (exit 2)
-        directory = common.run_dir_for(loaded, "sft", run_dir).resolve()  # --run-dir or runs/<name>/sft
-        plan = build_plan(loaded, "sft", directory, resume=resume, machine=machine)
-        if dry_run:
-            common.print_plan(plan, json_)
-            return
-        summary = run_sft(loaded, plan, directory, mode, resume=resume, overwrite=overwrite)
-        # run_sft: RunDir(directory).prepare(...), common.output_sinks(mode, ...), the supervisor
-        # starting the plan, and FollowedRun feeding the sinks until the trainer exits
+        from skyrl_cli.stages.dispatch import run_stage
 
-Output modes: "live" (rich live view on stderr + summary table), "quiet" (summary table only),
-"json" (events as JSON lines on stdout, then ``{"summary": ...}``). W&B is added in every mode when
-the recipe's ``[logging.wandb]`` asks for it.
+        # The recipe loaded and checked against this host (RecipeError: exit 2), the run directory
+        # (--run-dir or runs/<name>/sft) and the output mode, for the stage layer to run.
+        request = common.stage_request("sft", recipe, set_, run_dir, quiet=quiet, json_=json_, dry_run=dry_run,
+                                       resume=resume, overwrite=overwrite, node_rank=node_rank, slurm=slurm)
+        run_stage(request)  # skyrl_cli.stages: --slurm, this node's share across nodes, or this machine
+
+A command that runs no ``Stage`` loads with ``load_for_run`` and ``run_dir_for`` itself, prints
+``--dry-run`` with ``print_plan`` and runs a one-job plan with ``run_job`` (``skyrl quantize``).
+Output modes (``skyrl_cli.stages.output``): "live" (rich live view on stderr + summary table),
+"quiet" (summary table only), "json" (events as JSON lines on stdout, then ``{"summary": ...}``).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+# The stage layer's, under the names the commands use.
+from skyrl_cli.stages.job import run_job as run_job
+from skyrl_cli.stages.output import OutputMode
+from skyrl_cli.stages.output import output_sinks as output_sinks
+from skyrl_cli.stages.output import print_plan as print_plan
 from skyrl_contracts.errors import UsageError
 
 if TYPE_CHECKING:  # pydantic stays out of `skyrl --help`
     from skyrl_cli.plan.machine import MachineFacts
+    from skyrl_cli.stages.request import StageRequest
     from skyrl_contracts.schema import Recipe
-
-OutputMode = Literal["live", "quiet", "json"]
 
 RecipeArg = Annotated[str, typer.Argument(help="Recipe TOML file, or the name of a built-in recipe.", metavar="RECIPE")]
 SetOpt = Annotated[
@@ -67,6 +69,22 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No live view; pri
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print metric events as JSON lines on stdout (for scripts).")]
 GpusOpt = Annotated[
     Optional[int], typer.Option("--gpus", min=0, help="GPUs to check the layout against (default: those visible here).")
+]
+NodeRankOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--node-rank",
+        min=0,
+        help="This node's rank in a run across nodes (the recipe's cluster section); default: Slurm's SLURM_NODEID, else 0.",
+    ),
+]
+SlurmOpt = Annotated[
+    bool,
+    typer.Option(
+        "--slurm",
+        help="Write an sbatch script that runs this command on every node of the recipe's cluster layout and submit it "
+        "(with --dry-run: print it).",
+    ),
 ]
 
 
@@ -115,70 +133,33 @@ def output_mode(quiet: bool, json_: bool) -> OutputMode:
     return "json" if json_ else "quiet" if quiet else "live"
 
 
-def output_sinks(mode: OutputMode, recipe: Recipe, run_dir: Path, title: str):
-    """The sinks for an output mode, plus W&B if the recipe enables it (a ``SinkGroup``)."""
-    from skyrl_cli.metrics.live import LiveView
-    from skyrl_cli.metrics.sinks import JsonLinesSink, SinkGroup, SummaryPrinter
-    from skyrl_cli.metrics.wandb_sink import wandb_sink_for
-    from skyrl_contracts.rundir import recipe_json
-
-    printer = SummaryPrinter(run_dir=run_dir)
-    sinks = {"live": [LiveView(title), printer], "quiet": [printer], "json": [JsonLinesSink()]}[mode]
-    wandb = wandb_sink_for(recipe.logging.wandb, f"{recipe.name}-{title}", run_dir, recipe_json(recipe))
-    return SinkGroup(sinks + ([wandb] if wandb else []))
-
-
-def print_plan(plan, json_: bool = False) -> None:
-    """``--dry-run`` output: the plan as JSON (``--json``) or indented JSON for people."""
-    data = plan.model_dump(mode="json") if hasattr(plan, "model_dump") else plan
-    typer.echo(json.dumps(data) if json_ else json.dumps(data, indent=2))
-
-
-def run_job(
-    recipe: Recipe,
-    plan,
-    directory: Path,
-    mode: OutputMode,
-    *,
+def stage_request(
     stage: str,
-    summary_extra: dict,
-    resume: bool,
-    overwrite: bool,
-    interrupt_hints: dict | None = None,
-    prepared: bool = False,
-    watch=None,
-) -> dict:
-    """Run a one-job plan (the SFT trainer, the quantizer): prepare the run directory, start the job
-    under the supervisor, follow its events live, write summary.json (with ``summary_extra``). A
-    failed job raises ``LaunchError`` with the end of its log, a stop signal ``RunInterrupted``
-    (``interrupt_hints``: what its message tells the user to run next). ``prepared``: the caller
-    prepared the run directory (node 0 of a run across nodes, before the others join); ``watch``:
-    called at every tick (``skyrl_cli.launch.nodes.Rendezvous.check``: a dead node ends the job)."""
-    import time
+    recipe: str,
+    sets: list[str] | None,
+    run_dir: Path | None,
+    *,
+    quiet: bool,
+    json_: bool,
+    **options,
+) -> StageRequest:
+    """What ``skyrl sft|rl`` hands ``skyrl_cli.stages.dispatch.run_stage``: the recipe loaded and
+    checked against this host, its run directory and the output mode; ``options``: the rest of the
+    command's options (``StageRequest``'s fields)."""
+    from skyrl_cli.plan.machine import detect_machine
+    from skyrl_cli.stages.request import StageRequest
 
-    from skyrl_cli.launch.interrupts import reported
-    from skyrl_cli.launch.supervisor import Supervisor, job_failure
-    from skyrl_cli.metrics.follow import FollowedRun
-    from skyrl_contracts.errors import LaunchError
-    from skyrl_contracts.rundir import RunDir
-
-    if not prepared:
-        RunDir(directory).prepare(recipe, plan, resume=resume, overwrite=overwrite)
-    sinks = output_sinks(mode, recipe, directory, title=stage)
-    (spec,) = plan.processes
-    started, started_at = time.monotonic(), time.time()
-    with reported(stage, directory, **(interrupt_hints or {})), Supervisor(directory) as supervisor:
-        proc = supervisor.start(spec)
-        extra = {"stage": stage, "started_at": started_at, **summary_extra}
-        with FollowedRun(directory, sinks, summary_extra=extra) as run:
-
-            def tick() -> None:
-                run.poll()
-                if watch is not None:
-                    watch()
-
-            code = supervisor.wait_job(spec.name, on_tick=tick)
-            run.summary_extra["wall_s"] = round(time.monotonic() - started, 1)
-            if code != 0:
-                raise LaunchError(job_failure(spec.role, code, proc.log_path))
-    return run.summary or {}
+    mode = output_mode(quiet, json_)
+    machine = detect_machine()  # one look at the host: validation and the plan see the same facts
+    loaded = load_for_run(recipe, sets, stage, machine=machine)
+    return StageRequest(
+        stage=stage,
+        recipe_arg=recipe,
+        sets=sets,
+        recipe=loaded,
+        machine=machine,
+        directory=run_dir_for(loaded, stage, run_dir).resolve(),
+        code_dir=recipe_dir(recipe),
+        mode=mode,
+        **options,
+    )

@@ -210,7 +210,7 @@ def test_discard_dir_goes_through_trash(tmp_path, monkeypatch):
 
 
 def test_rl_final_model_is_replaced_whole(tmp_path, monkeypatch):
-    from skyrl_cli.commands.rl import publish_final_model
+    from skyrl_cli.stages.results import publish_final_model
 
     _needs_exchange(tmp_path)
     run = tmp_path / "rl"
@@ -228,7 +228,7 @@ def test_rl_final_model_is_replaced_whole(tmp_path, monkeypatch):
 
 
 def test_an_rl_launch_deletes_half_written_weight_versions(tmp_path):
-    from skyrl_cli.commands.rl import clear_exchange
+    from skyrl_cli.stages.local import clear_exchange
 
     (tmp_path / "weights").mkdir()
     _built(tmp_path / "weights", ".tmp-v3-123-abcd", {"model.safetensors": "half"})

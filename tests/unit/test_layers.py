@@ -23,16 +23,33 @@ REPO = Path(__file__).resolve().parents[2]
 # engine recovery brings a restarted engine up to date with.
 DRIVER_MAY_IMPORT = {"backends.inference.weight_sync"}
 CONTRACT_THIRD_PARTY = {"pydantic"}
+# Each package and the packages it may not import. ``skyrl_cli.stages`` (how a stage runs: on this
+# machine, on an engine pool, across nodes, under Slurm) sits above the engines and below the
+# commands, which parse options and call it.
 DRIVER_LAYERS = [
     (
         "skyrl_cli.recipe",
-        ("skyrl_cli.plan", "skyrl_cli.launch", "skyrl_cli.engines", "skyrl_cli.commands", "skyrl_cli.app"),
+        (
+            "skyrl_cli.plan",
+            "skyrl_cli.launch",
+            "skyrl_cli.engines",
+            "skyrl_cli.stages",
+            "skyrl_cli.commands",
+            "skyrl_cli.app",
+        ),
     ),
-    ("skyrl_cli.plan", ("skyrl_cli.launch", "skyrl_cli.engines", "skyrl_cli.commands", "skyrl_cli.app")),
-    ("skyrl_cli.metrics", ("skyrl_cli.plan", "skyrl_cli.launch", "skyrl_cli.commands", "skyrl_cli.app")),
-    ("skyrl_cli.launch", ("skyrl_cli.engines", "skyrl_cli.commands", "skyrl_cli.app")),
-    ("skyrl_cli.engines", ("skyrl_cli.commands", "skyrl_cli.app")),
-    ("skyrl_cli.routing", ("skyrl_cli.commands", "skyrl_cli.app")),
+    (
+        "skyrl_cli.plan",
+        ("skyrl_cli.launch", "skyrl_cli.engines", "skyrl_cli.stages", "skyrl_cli.commands", "skyrl_cli.app"),
+    ),
+    (
+        "skyrl_cli.metrics",
+        ("skyrl_cli.plan", "skyrl_cli.launch", "skyrl_cli.stages", "skyrl_cli.commands", "skyrl_cli.app"),
+    ),
+    ("skyrl_cli.launch", ("skyrl_cli.engines", "skyrl_cli.stages", "skyrl_cli.commands", "skyrl_cli.app")),
+    ("skyrl_cli.engines", ("skyrl_cli.stages", "skyrl_cli.commands", "skyrl_cli.app")),
+    ("skyrl_cli.routing", ("skyrl_cli.stages", "skyrl_cli.commands", "skyrl_cli.app")),
+    ("skyrl_cli.stages", ("skyrl_cli.commands", "skyrl_cli.app")),
 ]
 
 

@@ -1,4 +1,4 @@
-"""``skyrl sft|rl`` across nodes: the ``--node-rank`` and ``--slurm`` options and what one node does.
+"""``skyrl sft|rl`` across nodes: what one node does.
 
 The same command runs on every node (``skyrl_cli.plan.nodes`` says what each node runs). Node 0
 prepares the run directory and runs the stage as on one machine, with the other nodes' engines
@@ -12,27 +12,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING
 
-import typer
+from skyrl_cli.stages.job import run_job
+from skyrl_cli.stages.local import clear_exchange, run_prepared_rl
+from skyrl_cli.stages.output import print_plan, say
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.rundir import RunDir
 
-NodeRankOpt = Annotated[
-    Optional[int],
-    typer.Option(
-        "--node-rank",
-        min=0,
-        help="This node's rank in a run across nodes (the recipe's cluster section); default: Slurm's SLURM_NODEID, else 0.",
-    ),
-]
-SlurmOpt = Annotated[
-    bool,
-    typer.Option(
-        "--slurm",
-        help="Write an sbatch script that runs this command on every node of the recipe's cluster layout and submit it "
-        "(with --dry-run: print it).",
-    ),
-]
+if TYPE_CHECKING:
+    from skyrl_cli.stages.request import StageRequest
 
 
 @dataclasses.dataclass
@@ -59,7 +48,6 @@ def node_run(recipe, node_rank_flag: int | None, *, need_address: bool = True) -
         interface_of,
         node_rank,
     )
-    from skyrl_contracts.errors import UsageError
 
     layout = cluster_layout(recipe)
     if layout is None:
@@ -77,107 +65,64 @@ def node_run(recipe, node_rank_flag: int | None, *, need_address: bool = True) -
     return NodeRun(layout, NodeContext(rank, address, own, None if chosen else interface_of(own)))
 
 
-def dry_run(
-    loaded, stage: str, node: NodeRun, directory: Path, *, node_rank_flag, resume, async_mode, machine, code_dir, json_
-):
+def dry_run(request: StageRequest, node: NodeRun) -> None:
     """Every node's plan (``--node-rank``: that node's only)."""
-    from skyrl_cli.commands import common
     from skyrl_cli.plan.nodes import plan_cluster, slurm_rank
 
-    shown = [node.rank] if node_rank_flag is not None or slurm_rank(os.environ)[1] is not None else None
+    shown = [node.rank] if request.node_rank is not None or slurm_rank(os.environ)[1] is not None else None
     data = plan_cluster(
-        loaded,
-        stage,
+        request.recipe,
+        request.stage,
         node.layout,
         node.context.address,
-        directory,
-        resume=resume,
-        async_mode=async_mode,
-        machine=machine,
-        recipe_dir=code_dir,
+        request.directory,
+        resume=request.resume,
+        async_mode=request.async_mode,
+        machine=request.machine,
+        recipe_dir=request.code_dir,
         nodes=shown,
     )
-    common.print_plan(data, json_)
+    print_plan(data, request.json_)
 
 
-def slurm(loaded, stage: str, recipe_arg: str, directory: Path, sets, *, async_mode, resume, dry_run_: bool) -> None:
-    """``--slurm``: print (``--dry-run``) or write and submit the sbatch script."""
-    import shutil
-    import subprocess
-
-    from skyrl_cli.plan.nodes import cluster_layout
-    from skyrl_cli.plan.slurm import sbatch_script
-    from skyrl_cli.recipe.registry import resolve_recipe_arg
-    from skyrl_contracts.errors import LaunchError, UsageError
-    from skyrl_contracts.rundir import RunDir
-
-    layout = cluster_layout(loaded)
-    if layout is None or layout.legacy:
-        raise UsageError("--slurm: the recipe needs a [cluster] section (nodes, trainer_nodes, inference_nodes)")
-    script = sbatch_script(
-        loaded,
-        stage,
-        layout,
-        recipe_path=resolve_recipe_arg(recipe_arg).resolve(),
-        run_dir=directory,
-        sets=list(sets or ()),
-        async_mode=async_mode,
-        resume=resume,
-        workdir=Path.cwd(),
-    )
-    if dry_run_:
-        typer.echo(script, nl=False)
-        return
-    path = RunDir(directory).slurm_script(stage)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(script)
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        typer.echo(f"wrote {path}; sbatch is not on PATH here: submit it with `sbatch {path}` on the cluster")
-        return
-    proc = subprocess.run([sbatch, str(path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        why = (proc.stderr or proc.stdout).strip().splitlines()
-        raise LaunchError(f"sbatch {path} failed: {why[-1] if why else f'exit code {proc.returncode}'}")
-    typer.echo(f"{proc.stdout.strip()} ({path}); per-node logs: {RunDir(directory).logs}/slurm-<job>-node<k>.log")
-
-
-def rendezvous(loaded, stage: str, node: NodeRun, directory: Path, *, resume: bool, async_mode: bool):
+def rendezvous(request: StageRequest, node: NodeRun):
     from skyrl_cli.launch.nodes import Rendezvous
     from skyrl_contracts.rundir import recipe_hash
 
     layout = node.layout
     peers = None
     if node.rank == 0:
-        peers = list(range(1, layout.stage_nodes(stage)))
+        peers = list(range(1, layout.stage_nodes(request.stage)))
     return Rendezvous(
-        directory,
+        request.directory,
         node.rank,
-        layout.stage_nodes(stage),
-        recipe_hash(loaded),
-        stage,
-        {"resume": resume, "async": async_mode},
+        layout.stage_nodes(request.stage),
+        recipe_hash(request.recipe),
+        request.stage,
+        {"resume": request.resume, "async": request.async_mode},
         arrival_timeout_s=layout.arrival_timeout_s,
         heartbeat_timeout_s=layout.heartbeat_timeout_s,
         peers=peers,
     )
 
 
-def plan_here(loaded, stage, node: NodeRun, directory, *, resume, async_mode, machine, code_dir, remote_urls=None):
+def plan_here(request: StageRequest, node: NodeRun, *, machine=None, remote_urls=None):
+    """This node's plan, for ``machine`` (default: the request's look at this host)."""
     from skyrl_cli.plan.feasibility import assert_feasible
     from skyrl_cli.plan.nodes import plan_node
 
-    assert_feasible(loaded, machine)
+    machine = request.machine if machine is None else machine
+    assert_feasible(request.recipe, machine)
     return plan_node(
-        loaded,
-        stage,
+        request.recipe,
+        request.stage,
         node.layout,
         node.context,
-        directory,
-        resume=resume,
-        async_mode=async_mode,
+        request.directory,
+        resume=request.resume,
+        async_mode=request.async_mode,
         machine=machine,
-        recipe_dir=code_dir,
+        recipe_dir=request.code_dir,
         remote_urls=remote_urls,
     )
 
@@ -200,32 +145,139 @@ def replaying_ports(machine):
     return dataclasses.replace(machine, port_finder=record), lambda: dataclasses.replace(machine, port_finder=replay)
 
 
+# ------------------------------------------------------------------------------------ node 0's share
+
+
+def run_sft_on_node(request: StageRequest, node: NodeRun) -> dict | None:
+    """One node's share of an SFT run across nodes: node 0 prepares the run directory, meets the
+    others and runs its trainer ranks as on one machine (the summary is its); the other nodes run
+    theirs (None)."""
+    if not node.layout.trains(node.rank):
+        say(
+            request.mode,
+            f"sft: node {node.rank} does not train (cluster.trainer_nodes = {node.layout.trainer_nodes}); nothing to run",
+            always=True,
+        )
+        return None
+    if node.rank != 0:
+        run_peer(request, node)
+        return None
+    directory = request.directory
+    plan = plan_here(request, node)
+    RunDir(directory).prepare(request.recipe, plan, resume=request.resume, overwrite=request.overwrite)
+    with rendezvous(request, node) as rdv:
+        say(request.mode, f"sft: node 0 of {node.layout.trainer_nodes}: waiting for the other nodes in {directory}")
+        rdv.join()
+        rdv.set(phase="running")
+        extra = {"final_model": str(RunDir(directory).final), "nodes": node.layout.trainer_nodes}
+        with rdv.blaming_nodes():
+            return run_job(
+                request.recipe,
+                plan,
+                directory,
+                request.mode,
+                stage="sft",
+                summary_extra=extra,
+                resume=request.resume,
+                overwrite=request.overwrite,
+                prepared=True,
+                watch=rdv.check,
+            )
+
+
+class NodeHooks:
+    """What node 0 of an RL run across nodes adds to ``run_prepared_rl``: it tells the other nodes
+    when the engines' model is made, waits for their engines before the router starts and re-plans
+    with them, and watches the nodes while the jobs run."""
+
+    def __init__(self, rdv, replan):
+        self.rdv, self.replan_fn = rdv, replan
+
+    def after_setup(self) -> None:
+        self.rdv.set(phase="setup-done")
+
+    def replan(self):
+        plan = self.replan_fn()
+        self.rdv.set(phase="running")
+        return plan
+
+    def watch(self) -> None:
+        self.rdv.check()
+
+
+def run_rl_on_node(request: StageRequest, node: NodeRun) -> dict | None:
+    """One node's share of an RL run across nodes: node 0 runs the stage as on one machine with the
+    other nodes' engines (the summary is its); the others start their engines and trainer ranks and
+    run until node 0 ends the run (None)."""
+    from skyrl_cli.plan.inference import ENGINE_READY_TIMEOUT_S
+    from skyrl_cli.plan.rl import init_model_dir
+    from skyrl_contracts.atomic import write_json
+
+    if node.rank != 0:
+        run_peer(request, node)
+        return None
+    recipe, directory, mode = request.recipe, request.directory, request.mode
+    init = init_model_dir(recipe)
+    if not (init / "config.json").exists():
+        first = (
+            "run skyrl sft with the same recipe first (on the trainer nodes)" if recipe.rl.init_from == "sft" else ""
+        )
+        raise UsageError(f"rl.init_from: no model at {init}" + (f"; {first}" if first else ""))
+    from skyrl_cli.engines.stack import check_remote_engines  # light: httpx only
+
+    check_remote_engines(recipe.inference.urls)  # engines outside the layout, as on one machine
+    recording, replaying = replaying_ports(request.machine)
+    plan = plan_here(request, node, machine=recording)
+    run_dir = RunDir(directory).prepare(recipe, plan, resume=request.resume, overwrite=request.overwrite)
+    clear_exchange(run_dir)
+    with rendezvous(request, node) as rdv:
+        say(mode, f"rl: node 0 of {node.layout.nodes}: waiting for the other nodes in {directory}")
+        rdv.join()
+
+        def replan():
+            urls = gather_engines(rdv, node.layout, ENGINE_READY_TIMEOUT_S)
+            final = plan_here(request, node, machine=replaying(), remote_urls=urls)
+            write_json(run_dir.plan, final.model_dump(mode="json"))
+            say(mode, f"rl: engines of the other nodes: {', '.join(urls) or 'none'}")
+            return final
+
+        with rdv.blaming_nodes():
+            return run_prepared_rl(recipe, plan, run_dir, directory, mode, None, nodes=NodeHooks(rdv, replan))
+
+
+def gather_engines(rdv, layout, timeout_s: float) -> list[str]:
+    """Node 0: the engine URLs every inference node reported, in node order."""
+    urls: list[str] = []
+    for peer in range(1, layout.nodes):
+        if layout.serves(peer):
+            marker = rdv.wait_for(peer, ("ready", "running"), "its engines ready", timeout_s)
+            urls += marker.engines
+    return urls
+
+
 # ---------------------------------------------------------------------------------- a node's share
 
 
-def run_peer(loaded, stage: str, node: NodeRun, directory: Path, mode, *, resume, async_mode, machine, code_dir):
+def run_peer(request: StageRequest, node: NodeRun) -> None:
     """A node other than node 0: join, start this node's processes once node 0 is ready for them,
     report its engines, and run until node 0 ends the run (or this node's job ends, when it only trains)."""
     from skyrl_cli.launch.interrupts import reported
     from skyrl_cli.launch.supervisor import Supervisor, job_failure
+    from skyrl_contracts.atomic import write_json
     from skyrl_contracts.errors import LaunchError
-    from skyrl_contracts.rundir import RunDir
 
+    stage, directory, mode = request.stage, request.directory, request.mode
     paths = RunDir(directory)
-    with rendezvous(loaded, stage, node, directory, resume=resume, async_mode=async_mode) as rdv:
+    with rendezvous(request, node) as rdv:
         say(mode, f"{stage}: node {node.rank} of {node.layout.nodes}: waiting for node 0 in {directory}")
         rdv.join()
         waiting = ("setup-done", "ready", "running") if stage == "rl" else ("running",)
         rdv.wait_for(0, waiting, "the run directory ready", node.layout.arrival_timeout_s + 600)
-        plan = plan_here(
-            loaded, stage, node, directory, resume=resume, async_mode=async_mode, machine=machine, code_dir=code_dir
-        )
+        plan = plan_here(request, node)
         say(
             mode,
             f"{stage}: node {node.rank} runs {', '.join(p.name for p in plan.processes)} (logs: {paths.node_logs(node.rank)})",
         )
-        from skyrl_contracts.atomic import write_json
-
         write_json(paths.node_logs(node.rank) / "plan.json", plan.model_dump(mode="json"))
         with (
             rdv.blaming_nodes(),
@@ -272,18 +324,3 @@ def wait_ready_watching(supervisor, names, rdv, watch_jobs=()) -> None:
             if not str(err).startswith("timed out waiting") or time.monotonic() > deadline:
                 raise
         rdv.check()
-
-
-def gather_engines(rdv, layout, timeout_s: float) -> list[str]:
-    """Node 0: the engine URLs every inference node reported, in node order."""
-    urls: list[str] = []
-    for peer in range(1, layout.nodes):
-        if layout.serves(peer):
-            marker = rdv.wait_for(peer, ("ready", "running"), "its engines ready", timeout_s)
-            urls += marker.engines
-    return urls
-
-
-def say(mode, line: str, always: bool = False) -> None:
-    if mode != "json" or always:
-        typer.echo(line, err=True)
