@@ -43,8 +43,9 @@ import torch
 from backends.train.common import HFExporter, load_recipe, open_events, say
 from backends.train.rl.step import RLStep
 from skyrl_contracts.episodes import turn_limit
+from skyrl_contracts.exchange import RunExchange
 from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
-from skyrl_contracts.logs import setup_process_logging
+from skyrl_contracts.logs import StartupClock, setup_process_logging
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORT_NAMES, TRANSPORTS
 
@@ -70,53 +71,72 @@ class Learner:
         nccl: NcclTarget | None = None,
         engine_dtype: str = "bfloat16",
     ):
-        from skyrl_contracts.logs import StartupClock
-
         self.startup = StartupClock("learner")
-        import deepspeed
-        from transformers import AutoModelForCausalLM
+        self.run_dir = run_dir
+        self.recipe = load_recipe(run_dir)
+        self.rl = self.recipe.rl
+        self.updates = self.rl.epochs * self.rl.mini_batches  # optimizer steps per RL step
+        self._join_the_run(init_from)
+        model = self._policy_and_reference(init_from)
+        self._training_engine(model, engine_dtype)
+        self.start_step = self._restore() if resume else 0
+        self._weight_sync(weight_sync, nccl, engine_dtype)
 
-        from backends.models.loading import torch_dtype
+    def _join_the_run(self, init_from: Path) -> None:
+        """The process group, the run's events and exchange, and the tokenizer."""
+        # deepspeed and transformers are imported here, not at module level: their import is most
+        # of a learner's start-up, which the startup clock's "imports" lap reports
+        import deepspeed
+        import transformers  # noqa: F401 - inside the "imports" lap, as deepspeed
+
         from backends.models.tokenizer import load_tokenizer
-        from backends.quant.fake_quant import maybe_prepare_qat
-        from backends.train.engine import init_distributed, make_engine
-        from backends.train.schedule import schedule
-        from skyrl_contracts.exchange import RunExchange
+        from backends.train.engine import init_distributed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        self.run_dir = run_dir
-        self.recipe = recipe = load_recipe(run_dir)
-        self.rl = rl = recipe.rl
-        self.updates = rl.epochs * rl.mini_batches
-        trainer = recipe.trainer
         self.startup.lap("imports")
-        self.dist = init_distributed(trainer.device)
+        self.dist = init_distributed(self.recipe.trainer.device)
         self.startup.lap("distributed")
-        self.events = open_events(run_dir, self.dist)
-        self.exchange = RunExchange(run_dir)
+        self.events = open_events(self.run_dir, self.dist)
+        self.exchange = RunExchange(self.run_dir)
         self.tokenizer = load_tokenizer(str(init_from))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
+    def _policy_and_reference(self, init_from: Path):
+        """The policy to train (QAT-prepared, with its LoRA adapter) and, for a KL term without
+        LoRA, a frozen reference copy (with LoRA the reference is the policy, adapter disabled)."""
+        from transformers import AutoModelForCausalLM
+
+        from backends.models.loading import torch_dtype
+        from backends.quant.fake_quant import maybe_prepare_qat
+
+        recipe = self.recipe
         torch.manual_seed(recipe.seed)
-        dtype = torch_dtype(recipe.model, self.dist.device.type)
-        bf16 = dtype == torch.bfloat16
+        self.dtype = torch_dtype(recipe.model, self.dist.device.type)
         model = maybe_prepare_qat(
-            AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype), recipe.quantization, self.say
+            AutoModelForCausalLM.from_pretrained(str(init_from), dtype=self.dtype), recipe.quantization, self.say
         )
         self.lora = recipe.model.lora
         if self.lora is not None:
             model = self._with_adapter(model)
-        self.reference = None  # with LoRA the reference is the policy with its adapter disabled
-        if rl.kl.coef > 0 and self.lora is None:
+        self.reference = None
+        if self.rl.kl.coef > 0 and self.lora is None:
             # under INT4 QAT the reference has the policy's numerics too, so the KL measures drift, not rounding
             reference = maybe_prepare_qat(
-                AutoModelForCausalLM.from_pretrained(str(init_from), dtype=dtype),
+                AutoModelForCausalLM.from_pretrained(str(init_from), dtype=self.dtype),
                 recipe.quantization,
                 lambda _said: None,
             )
             self.reference = reference.to(self.dist.device).eval()
             self.reference.requires_grad_(False)
         self.startup.lap("model")
+        return model
+
+    def _training_engine(self, model, engine_dtype: str) -> None:
+        """DeepSpeed's engine and schedule around ``model``, the exporter of versions, the RL step."""
+        from backends.train.engine import make_engine
+        from backends.train.schedule import schedule
+
+        rl, trainer = self.rl, self.recipe.trainer
         self.engine, self.scheduler = make_engine(
             model,
             lr=rl.learning_rate,
@@ -125,25 +145,28 @@ class Learner:
             lr_lambda=schedule(rl.warmup_steps * self.updates, rl.steps * self.updates, "constant", 1.0),
             zero_stage=trainer.zero_stage,
             grad_clip=rl.grad_clip,
-            bf16=bf16,
+            bf16=self.dtype == torch.bfloat16,
         )
         # LoRA checkpoints (hence final/) hold the adapter, and the merged model only on request
         merge = self.lora is None or self.lora.merge_final
         self.export = HFExporter(
             self.engine, self.tokenizer, self.dist, trainer.zero_stage, merge=merge, engine_dtype=engine_dtype
         )
-        self.step_fn = RLStep(rl, self.engine, self.dist, self.pad_id, self.reference, turns=turn_limit(recipe))
+        self.step_fn = RLStep(rl, self.engine, self.dist, self.pad_id, self.reference, turns=turn_limit(self.recipe))
         self.startup.lap("deepspeed engine")
-        self.start_step = self._restore() if resume else 0
-        quant = recipe.quantization
+
+    def _weight_sync(self, weight_sync: str, nccl: NcclTarget | None, engine_dtype: str) -> None:
+        """How versions reach the engines (the plan's transport), and the check of the engines'
+        logprobs against the trainer's that this transport's rounding allows."""
+        from backends.train.publish import weight_publisher
+
+        quant = self.recipe.quantization
         floor = sync_gap_floor(engine_dtype, TRANSPORTS[weight_sync].quantized_versions and not quant.int4_qat)
         self.gap_check = None if floor is None else SyncGapCheck(floor)
         self.gap_warned = False
-        from backends.train.publish import weight_publisher
-
         self.sender = self._open_transfer(nccl)
         self.publisher = weight_publisher(
-            weight_sync, self.exchange, self.dist, self.export, recipe, self.start_step, self.sender
+            weight_sync, self.exchange, self.dist, self.export, self.recipe, self.start_step, self.sender
         )
         self.last_send_s: float | None = None
 
