@@ -670,3 +670,26 @@ def test_a_timeout_error_the_agent_raises_is_its_own_error():
 
     outcome = asyncio.run(run_agent(own_timeout, {}, ENDPOINT, 30))
     assert outcome.error == "agent: TimeoutError: the tool took too long"
+
+
+def test_agents_that_call_over_http_are_counted_and_told_once(tok, parser, monkeypatch, caplog):
+    import backends.rollout.agents as agents
+
+    monkeypatch.setattr(agents, "HTTP_TRAJECTORIES_BEFORE_HINT", 2)
+
+    async def main():
+        async with serving(tok, parser, ["417<eos>"] * 5) as (server, fake):
+            _, shared = server.open("shared")
+            await shared.client().chat.completions.create(model="policy", messages=USER)
+            assert server.http_trajectories == 0  # endpoint.client() stays in process
+            for name in ("http-1", "http-2", "http-3"):
+                _, endpoint = server.open(name)
+                async with httpx.AsyncClient(base_url=endpoint.base_url) as http:
+                    r = await http.post("/chat/completions", json={"messages": USER})
+                assert r.status_code == 200, r.text
+            assert server.http_trajectories == 3
+
+    with caplog.at_level("WARNING", logger="skyrl.agents"):
+        asyncio.run(main())
+    hints = [r for r in caplog.records if "over HTTP" in r.getMessage()]
+    assert len(hints) == 1 and "endpoint.client()" in hints[0].getMessage()
