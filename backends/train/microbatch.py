@@ -10,16 +10,25 @@ Two layouts (see ``backends.train.packing``):
 
 Labels are pre-shifted: ``labels[t]`` is the target predicted at position t (``-100``: no loss), so
 a sequence's last position never predicts the next packed sequence's first token.
+
+The RL step (``backends.train.rl.step``) lays its rows out with the same pieces (``right_padded``,
+``row_positions``, ``laid_out``), so SFT and RL micro-batches of the same tokens share ids and positions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 
+if TYPE_CHECKING:
+    from backends.train.packing import StepLayout
+
 IGNORE = -100
+
+T = TypeVar("T")
+B = TypeVar("B")
 
 
 @dataclass
@@ -61,15 +70,24 @@ def collate(examples: Sequence, layout: str, pad_id: int) -> MicroBatch:
             labels += shifted_labels(ex.input_ids, ex.loss_mask)
         as_row = lambda xs: torch.tensor([xs], dtype=torch.long)  # noqa: E731
         return MicroBatch(as_row(ids), as_row(pos), as_row(labels), real)
-    width = max(len(ex.input_ids) for ex in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    for row, ex in enumerate(examples):
-        n = len(ex.input_ids)
-        ids[row, :n] = torch.tensor(ex.input_ids, dtype=torch.long)
-        labels[row, :n] = torch.tensor(shifted_labels(ex.input_ids, ex.loss_mask), dtype=torch.long)
-    pos = torch.arange(width, dtype=torch.long).expand(len(examples), width).contiguous()
-    return MicroBatch(ids, pos, labels, real)
+    ids = right_padded([ex.input_ids for ex in examples], pad_id)
+    labels = right_padded([shifted_labels(ex.input_ids, ex.loss_mask) for ex in examples], IGNORE)
+    return MicroBatch(ids, row_positions(ids), labels, real)
+
+
+def right_padded(rows: Sequence[Sequence], fill, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``[len(rows), longest]``: each row from column 0, ``fill`` after its end (the ``padded``
+    layout of every trainer: SFT labels and ids, RL masks, logprobs and advantages alike)."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=dtype)
+    for j, row in enumerate(rows):
+        out[j, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def row_positions(ids: torch.Tensor) -> torch.Tensor:
+    """Position ids of right-padded rows: 0.. in every row (pad positions never carry loss)."""
+    rows, width = ids.shape
+    return torch.arange(width, dtype=torch.long).expand(rows, width).contiguous()
 
 
 def padding_microbatch(pad_id: int) -> MicroBatch:
@@ -78,11 +96,20 @@ def padding_microbatch(pad_id: int) -> MicroBatch:
     return MicroBatch(one, torch.zeros_like(one), torch.full_like(one, IGNORE), 0, is_padding=True)
 
 
-def rank_micro_batches(batch: Sequence, layout, rank: int, pad_id: int) -> list[MicroBatch]:
-    """This rank's micro-batches of a ``StepLayout`` over ``batch``, padding ones appended so that
-    every rank runs ``layout.num_microbatches``."""
-    mine = [collate([batch[i] for i in mb], layout.layout, pad_id) for mb in layout.per_rank[rank]]
-    return mine + [padding_microbatch(pad_id)] * layout.padding_microbatches(rank)
+def rank_micro_batches(batch: Sequence, layout: StepLayout, rank: int, pad_id: int) -> list[MicroBatch]:
+    """This rank's SFT micro-batches of a ``StepLayout`` over ``batch`` (see ``laid_out``)."""
+    return laid_out(
+        batch, layout, rank, lambda items: collate(items, layout.layout, pad_id), padding_microbatch(pad_id)
+    )
+
+
+def laid_out(
+    batch: Sequence[T], layout: StepLayout, rank: int, collate_items: Callable[[list[T]], B], padding: B
+) -> list[B]:
+    """This rank's micro-batches of a ``StepLayout`` over ``batch``, each ``collate_items`` of its
+    items, then ``padding`` repeated so that every rank runs ``layout.num_microbatches``."""
+    mine = [collate_items([batch[i] for i in mb]) for mb in layout.per_rank[rank]]
+    return mine + [padding] * layout.padding_microbatches(rank)
 
 
 def forward_logits(model, mb: MicroBatch) -> torch.Tensor:

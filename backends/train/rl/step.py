@@ -57,6 +57,7 @@ class RLStep:
 
     def slices(self, samples, rows) -> list[Update]:
         """The step's slices (whole groups), each laid out in micro-batches for this rank."""
+        from backends.train.microbatch import laid_out
         from backends.train.packing import dynamic_layout
         from backends.train.rl.losses import LossNormalizer
         from backends.train.rl.minibatch import group_slices
@@ -71,8 +72,13 @@ class RLStep:
             layout = dynamic_layout(
                 [len(r[0]) for r in mine_rows], self.dist.world_size, self.rl.max_tokens_per_microbatch, "padded"
             )
-            mine = [collate_rows([mine_rows[i] for i in mb], self.pad_id) for mb in layout.per_rank[self.dist.rank]]
-            mine += [padding_tensors(self.pad_id)] * layout.padding_microbatches(self.dist.rank)
+            mine = laid_out(
+                mine_rows,
+                layout,
+                self.dist.rank,
+                lambda rows: collate_rows(rows, self.pad_id),
+                padding_tensors(self.pad_id),
+            )
             normalizer = LossNormalizer(
                 tokens=float(sum(samples[i].num_loss_tokens for i in members)),
                 sequences=float(sum(1 for i in members if samples[i].num_loss_tokens > 0)),
@@ -208,25 +214,19 @@ def sample_rows(samples, advantages: torch.Tensor) -> list[tuple[list[int], list
 
 
 def collate_rows(rows, pad_id: int) -> Tensors:
-    width = max(len(r[0]) for r in rows)
-    b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask, lps, adv = (torch.zeros((b, width), dtype=torch.float32) for _ in range(3))
-    for j, (r_ids, r_mask, r_lps, r_adv) in enumerate(rows):
-        n = len(r_ids)
-        ids[j, :n] = torch.tensor(r_ids)
-        mask[j, :n] = torch.tensor(r_mask)
-        lps[j, :n] = torch.tensor(r_lps)
-        adv[j, :n] = torch.tensor(r_adv)
-    pos = torch.arange(width).expand(b, width).contiguous()
-    return Tensors(ids, pos, mask, lps, adv)
+    """``sample_rows`` rows in the ``padded`` layout the SFT micro-batches use (``microbatch.collate``)."""
+    from backends.train.microbatch import right_padded, row_positions
+
+    ids, mask, lps, adv = zip(*rows)
+    input_ids = right_padded(ids, pad_id)
+    floats = (right_padded(column, 0.0, torch.float32) for column in (mask, lps, adv))
+    return Tensors(input_ids, row_positions(input_ids), *floats)
 
 
 def padding_tensors(pad_id: int) -> Tensors:
-    """A zero-weight micro-batch that keeps ranks in step (ZeRO-2/3 need equal counts)."""
-    one = torch.full((1, 1), pad_id, dtype=torch.long)
-    zero = torch.zeros((1, 1))
-    return Tensors(one, torch.zeros_like(one), zero, zero.clone(), zero.clone())
+    """A zero-weight micro-batch that keeps ranks in step (ZeRO-2/3 need equal counts): one pad
+    token that carries no loss."""
+    return collate_rows([([pad_id], [0.0], [0.0], [0.0])], pad_id)
 
 
 def batch_advantages(samples, rl) -> torch.Tensor:
