@@ -221,7 +221,8 @@ def sft_straight_run(tmp_path_factory) -> tuple[Path, Path]:
     RESUMABLE recipe (16 steps, checkpoints every 4, keep_last 2), run once per session: the final
     loss a faulted and resumed run of it must reach."""
     from tests.integration.cli_runs import run_skyrl
-    from tests.integration.test_sft import RESUMABLE, write_recipe
+    from tests.integration.test_sft import RESUMABLE
+    from tests.recipes import write_recipe
 
     if "run" not in _SFT_STRAIGHT:
         root = tmp_path_factory.mktemp("sft-straight")

@@ -8,35 +8,23 @@ import json
 import textwrap
 from pathlib import Path
 
-import tomli_w
-
 from skyrl_contracts.events import iter_events
 from tests.integration.cli_runs import run_skyrl
+from tests.recipes import RL, tiny_recipe, write_recipe
 
 
 def tiny_rl_recipe(folder: Path, init_from: Path, rl: dict | None = None, inference: dict | None = None) -> Path:
     """``folder/faults.toml``: a 2-step RL recipe on the addition task from the model at ``init_from``."""
-    recipe = {
-        "name": "faults",
-        "seed": 0,
-        "model": {"init": {"hidden_size": 128, "layers": 2, "heads": 4}, "tokenizer": "char"},
-        "data": {"task": "addition", "digits": 1, "eval_size": 8},
-        "rl": {
-            "init_from": str(init_from),
-            "steps": 2,
-            "prompts_per_step": 4,
-            "samples_per_prompt": 4,
-            "max_new_tokens": 4,
-            "eval_every": 0,
-            "save_every": 0,
-            **(rl or {}),
-        },
-        "inference": {"engines": 1, "max_num_seqs": 16, **(inference or {})},
-        "trainer": {"ranks": 1},
-    }
-    path = folder / "faults.toml"
-    path.write_text(tomli_w.dumps(recipe))
-    return path
+    recipe = tiny_recipe(
+        RL,
+        name="faults",
+        seed=0,
+        data={"digits": 1, "eval_size": 8},
+        rl={"init_from": str(init_from), "steps": 2, **(rl or {})},
+        inference={"max_num_seqs": 16, **(inference or {})},
+        trainer={"ranks": 1, "zero_stage": None},
+    )
+    return write_recipe(folder / "faults.toml", recipe)
 
 
 def write_module(folder: Path, name: str, source: str) -> None:

@@ -39,42 +39,15 @@ from tests.faults.harness import (
 )
 from tests.integration.cli_runs import events, run_skyrl
 from tests.integration.conftest import build_tiny_model
+from tests.recipes import RL, merged, tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
 
 STEPS = 8
-RL_RECIPE = """
-name = "faults"
-seed = 1
-
-[model]
-init = {{ hidden_size = 128, layers = 2, heads = 4 }}
-tokenizer = "char"
-
-[data]
-task = "addition"
-digits = 2
-eval_size = 8
-
-[rl]
-init_from = "{model}"
-steps = {steps}
-prompts_per_step = 4
-samples_per_prompt = 4
-max_new_tokens = 4
-eval_every = 0
-save_every = 2
-reward = "fault_reward:reward"
-
-[inference]
-engines = 1
-max_num_seqs = 32
-
-[trainer]
-ranks = 2
-zero_stage = 2
-"""
+RL_RECIPE = tiny_recipe(
+    RL, name="faults", data={"eval_size": 8}, rl={"steps": STEPS, "save_every": 2, "reward": "fault_reward:reward"}
+)
 # A reward the random-init model earns now and then (3-digit addition gives it none: every
 # advantage would be 0 and no step would change the weights, so any two runs would match).
 REWARD = """
@@ -90,7 +63,7 @@ FIGURES: dict[str, dict] = {}  # measured per case, printed at the end of the mo
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("rl-faults")
     model = build_tiny_model(root / "model")
-    (root / "recipe.toml").write_text(RL_RECIPE.format(model=model, steps=STEPS))
+    write_recipe(root / "recipe.toml", merged(RL_RECIPE, rl={"init_from": str(model)}))
     (root / "fault_reward.py").write_text(REWARD)
     return root
 

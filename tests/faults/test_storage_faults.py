@@ -35,7 +35,7 @@ from tests.faults.harness import (
     wait_until,
 )
 from tests.integration.cli_runs import run_skyrl
-from tests.integration.test_sft import ONE_STEP, long_tailed_rows, write_recipe
+from tests.integration.test_sft import long_tailed_rows, one_step_recipe
 
 pytestmark = pytest.mark.faults  # the real runs are marked integration one by one
 
@@ -110,10 +110,6 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one_and_resumes(tmp_pa
         resumed, reference = losses(run, "train/loss"), losses(straight, "train/loss")
         assert max(resumed) == 16 and resumed[16] == pytest.approx(reference[16], abs=1e-6)
         print(f"\nfaults figure disk full: {message.splitlines()[0]!r}; final loss {resumed[16]} vs {reference[16]}")
-
-
-def one_step_recipe(tmp_path: Path, train: Path) -> Path:
-    return write_recipe(tmp_path / "one_step.toml", ONE_STEP.replace("{train}", str(train)))
 
 
 def write_rows(path: Path, n: int = 200) -> Path:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.recipes import TINY_INIT, tiny_recipe
+
 TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 
 
@@ -39,7 +41,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0, layers: int = 2) -> Path:
     from skyrl_contracts.schema import TinyModelInit
 
     tokenizer = build_char_tokenizer(TINY_ALPHABET)
-    model = build_tiny_model(TinyModelInit(hidden_size=128, layers=layers, heads=4), tokenizer, seed)
+    model = build_tiny_model(TinyModelInit(**{**TINY_INIT, "layers": layers}), tokenizer, seed)
     return save_hf(model, tokenizer, out_dir)
 
 
@@ -49,22 +51,21 @@ def inference_recipe(engines: int = 2, policy: str = "sticky_least_loaded", mode
     from skyrl_cli.recipe.lengths import with_model_lengths
     from skyrl_contracts.schema import Recipe
 
-    recipe = Recipe.model_validate(
-        {
-            "name": "itest",
-            "model": {"init": {"hidden_size": 128, "layers": 2, "heads": 4}, "tokenizer": "char", **(model or {})},
-            "data": {"task": "addition"},
-            "rl": {},
-            "inference": {
-                "engines": engines,
-                "router": {"policy": policy},
-                "max_retries": 4,
-                "request_timeout_s": 60,
-                **inference,
-            },
-        }
+    recipe = tiny_recipe(
+        seed=None,
+        model=model or {},
+        data={"digits": None},
+        rl={},
+        inference={
+            "engines": engines,
+            "router": {"policy": policy},
+            "max_retries": 4,
+            "request_timeout_s": 60,
+            **inference,
+        },
+        trainer=None,
     )
-    return with_model_lengths(recipe)
+    return with_model_lengths(Recipe.model_validate(recipe))
 
 
 def cpu_machine():

@@ -14,50 +14,20 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_runs import events, run_skyrl
+from tests.recipes import RL, SFT, SMALL, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.integration
 
-RECIPE = """
-name = "tooltest"
-seed = 3
-
-[model]
-init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128 }
-tokenizer = "char"
-
-[data]
-task = "lookup"
-digits = 2
-train_size = 4000
-eval_size = 8
-
-[sft]
-steps = 150
-batch_size = 32
-learning_rate = 3e-3
-warmup_steps = 10
-eval_every = 0
-save_every = 0
-
-[rl]
-init_from = "sft"
-steps = 1
-prompts_per_step = 4
-samples_per_prompt = 4
-max_turns = 2
-max_new_tokens = 24
-eval_every = 0
-save_every = 0
-keep_batches = true
-
-[inference]
-engines = 1
-max_num_seqs = 32
-
-[trainer]
-ranks = 2
-zero_stage = 2
-"""
+RECIPE = tiny_recipe(
+    SMALL,
+    SFT,
+    RL,
+    name="tooltest",
+    seed=3,
+    data={"task": "lookup", "train_size": 4000, "eval_size": 8},
+    sft={"steps": 150, "warmup_steps": 10},
+    rl={"init_from": "sft", "steps": 1, "max_turns": 2, "max_new_tokens": 24, "keep_batches": True},
+)
 
 AGENT = '''
 """Lookup agents over the OpenAI API: index 0-1 of a group append to their conversation, index 2
@@ -128,7 +98,7 @@ async def solve(row, endpoint):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("agents")
-    (root / "recipe.toml").write_text(RECIPE)
+    write_recipe(root / "recipe.toml", RECIPE)
     (root / "lookup_agents.py").write_text(AGENT)
     run_skyrl("sft", "recipe.toml", "--quiet", cwd=root, timeout=900)
     return root
@@ -298,8 +268,6 @@ def user_data_recipe(workdir: Path, name: str, agent: str) -> Path:
     """An RL-only recipe on the user's own JSONL rows (not a built-in task), from the SFT model of
     this module, naming ``agent``, with no rl.max_turns. Rows carry the fields the docs' agent
     reads (``prompt``, ``answer``, ``table``)."""
-    import tomli_w
-
     from backends.data.tasks import get_task
 
     folder = workdir / name
@@ -308,28 +276,21 @@ def user_data_recipe(workdir: Path, name: str, agent: str) -> Path:
     for split, size in (("train", 64), ("eval", 8)):
         rows = [{**r, "table": {r["prompt"][:-1]: r["answer"]}} for r in task.make_rows(11, size, split)]
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = {
-        "name": name,
-        "seed": 5,
-        "model": {"init": {"hidden_size": 64, "layers": 2, "heads": 2, "intermediate_size": 128}, "tokenizer": "char"},
-        "data": {"train": "train.jsonl", "eval": "eval.jsonl", "eval_size": 8},
-        "rl": {
+    recipe = tiny_recipe(
+        SMALL,
+        RL,
+        name=name,
+        seed=5,
+        data={"task": None, "digits": None, "train": "train.jsonl", "eval": "eval.jsonl", "eval_size": 8},
+        rl={
             "init_from": str(workdir / "runs/tooltest/sft/final"),
             "agent": agent,
             "steps": 2,
-            "prompts_per_step": 4,
-            "samples_per_prompt": 4,
             "max_new_tokens": 24,
-            "eval_every": 0,
-            "save_every": 0,
             "keep_batches": True,
         },
-        "inference": {"engines": 1, "max_num_seqs": 32},
-        "trainer": {"ranks": 2, "zero_stage": 2},
-    }
-    path = folder / "recipe.toml"
-    path.write_text(tomli_w.dumps(recipe))
-    return path
+    )
+    return write_recipe(folder / "recipe.toml", recipe)
 
 
 def several_calls_trained(run: Path) -> None:

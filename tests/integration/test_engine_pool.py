@@ -26,46 +26,19 @@ import pytest
 
 from skyrl_cli.launch.supervisor import pid_alive
 from tests.integration.cli_runs import ENV, SKYRL, events, run_skyrl
+from tests.recipes import RL, SFT, SMALL, tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-RECIPE = """
-name = "pooltest"
-seed = 1
-
-[model]
-init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128 }
-tokenizer = "char"
-
-[data]
-task = "addition"
-digits = 2
-eval_size = 16
-
-[sft]
-steps = 30
-batch_size = 32
-learning_rate = 3e-3
-warmup_steps = 5
-eval_every = 0
-save_every = 0
-
-[rl]
-init_from = "sft"
-steps = 2
-prompts_per_step = 4
-samples_per_prompt = 4
-max_new_tokens = 4
-eval_every = 0
-save_every = 0
-
-[inference]
-engines = 1
-max_num_seqs = 32
-
-[trainer]
-ranks = 2
-"""
+RECIPE = tiny_recipe(
+    SMALL,
+    SFT,
+    RL,
+    name="pooltest",
+    data={"eval_size": 16},
+    rl={"init_from": "sft", "steps": 2},
+    trainer={"zero_stage": None},
+)
 POOL = "itest"
 
 
@@ -101,7 +74,7 @@ def engine_pids(workdir: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pool")
-    (root / "recipe.toml").write_text(RECIPE)
+    write_recipe(root / "recipe.toml", RECIPE)
     skyrl(root, "sft", "recipe.toml", "--quiet")
     perturbed_copy(root / "runs" / "pooltest" / "sft" / "final", root / "other-model")
     started = time.monotonic()

@@ -16,39 +16,11 @@ import pytest
 from skyrl_contracts.rundir import RunDir
 from tests.integration.cli_runs import ENV, SKYRL, children, events
 from tests.integration.conftest import wait_groups_gone
+from tests.recipes import RL, merged, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.integration
 
-RECIPE = """
-name = "sigtest"
-seed = 1
-
-[model]
-init = {{ hidden_size = 128, layers = 2, heads = 4 }}
-tokenizer = "char"
-
-[data]
-task = "addition"
-digits = 2
-eval_size = 8
-
-[rl]
-init_from = "{model}"
-steps = 40
-prompts_per_step = 4
-samples_per_prompt = 4
-max_new_tokens = 4
-eval_every = 0
-save_every = 1
-
-[inference]
-engines = 1
-max_num_seqs = 32
-
-[trainer]
-ranks = 2
-zero_stage = 2
-"""
+RECIPE = tiny_recipe(RL, name="sigtest", data={"eval_size": 8}, rl={"steps": 40, "save_every": 1})
 
 
 def wait_for_training(driver: subprocess.Popen, run: Path, out: Path, timeout_s: float = 420) -> None:
@@ -61,7 +33,7 @@ def wait_for_training(driver: subprocess.Popen, run: Path, out: Path, timeout_s:
 
 
 def test_sigint_during_rl_training_exits_130_with_the_checkpoint_and_no_process_left(tmp_path, tiny_model_dir):
-    (tmp_path / "recipe.toml").write_text(RECIPE.format(model=tiny_model_dir))
+    write_recipe(tmp_path / "recipe.toml", merged(RECIPE, rl={"init_from": str(tiny_model_dir)}))
     run, out = tmp_path / "runs/sigtest/rl", tmp_path / "out.txt"
     with open(out, "w") as sink:
         driver = subprocess.Popen(

@@ -25,33 +25,13 @@ import pytest
 from tests.integration.cli_runs import ENV, REPO, SKYRL, events, run_skyrl
 from tests.integration.conftest import QUICKSTART_RECIPE as QUICKSTART
 from tests.integration.conftest import SHORTENED_QUICKSTART as SHORTER
+from tests.recipes import SFT, SMALL, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.integration
 
-SFT_RECIPE = """
-name = "mnsft"
-seed = 1
-
-[model]
-init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128 }
-tokenizer = "char"
-
-[data]
-task = "addition"
-digits = 2
-eval_size = 16
-
-[sft]
-steps = 20
-batch_size = 32
-learning_rate = 3e-3
-warmup_steps = 5
-eval_every = 0
-save_every = 0
-
-[trainer]
-ranks = 2
-"""
+SFT_RECIPE = tiny_recipe(
+    SMALL, SFT, name="mnsft", data={"eval_size": 16}, sft={"steps": 20}, trainer={"zero_stage": None}
+)
 TWO_NODES = ["--set", "trainer.ranks=1", "--set", "cluster.nodes=2", "--set", 'cluster.address="127.0.0.1"']
 
 
@@ -72,7 +52,7 @@ def finished(proc: subprocess.Popen, log: Path, timeout: float = 600) -> str:
 
 
 def test_two_node_sft_ends_at_the_single_node_loss(tmp_path):
-    (tmp_path / "sft.toml").write_text(SFT_RECIPE)
+    write_recipe(tmp_path / "sft.toml", SFT_RECIPE)
     one, two = tmp_path / "one", tmp_path / "two"
     run_skyrl("sft", "sft.toml", "--run-dir", one, "--quiet", cwd=tmp_path, timeout=600)
     common = ["sft", "sft.toml", "--run-dir", two, "--quiet", *TWO_NODES, "--set", "cluster.port=29631"]

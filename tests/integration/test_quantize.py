@@ -14,6 +14,7 @@ from tests.integration.conftest import (
     single_engine,
     train_pattern_policy,
 )
+from tests.recipes import tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -85,27 +86,15 @@ def test_vllm_serves_the_int4_export_with_the_fake_quant_greedy_output(exports, 
     assert sum(out[0] == PATTERN_LOW + c % 36 for out, c in zip(served, continues)) >= 3
 
 
-PIPELINE_RECIPE = """name = "qpipe"
-[model]
-init = { hidden_size = 128, layers = 2, heads = 4, intermediate_size = 256 }
-tokenizer = "char"
-[data]
-task = "addition"
-digits = 2
-train_size = 2000
-eval_size = 40
-[sft]
-steps = 8
-batch_size = 32
-warmup_steps = 2
-eval_every = 0
-save_every = 4
-[trainer]
-ranks = 2
-zero_stage = 3
-[quantization]
-group_size = 32
-"""
+PIPELINE_RECIPE = tiny_recipe(
+    name="qpipe",
+    seed=None,
+    model={"init": {"intermediate_size": 256}},
+    data={"train_size": 2000, "eval_size": 40},
+    sft={"steps": 8, "batch_size": 32, "warmup_steps": 2, "eval_every": 0, "save_every": 4},
+    trainer={"zero_stage": 3},
+    quantization={"group_size": 32},
+)
 
 
 def test_skyrl_quantize_ptq_and_qat_under_zero3_from_the_sft_output(tmp_path):
@@ -121,7 +110,7 @@ def test_skyrl_quantize_ptq_and_qat_under_zero3_from_the_sft_output(tmp_path):
     from tests.unit.test_quant import read_export
 
     recipe = tmp_path / "q.toml"
-    recipe.write_text(PIPELINE_RECIPE)
+    write_recipe(recipe, PIPELINE_RECIPE)
     run_skyrl("sft", recipe, "--quiet", cwd=tmp_path)
     ptq = run_skyrl("quantize", recipe, "--ptq", "--quiet", cwd=tmp_path)
     assert "quantize done (INT4 PTQ): 14 INT4 layers" in ptq.stdout

@@ -15,50 +15,21 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_runs import events, run_skyrl
+from tests.recipes import RL, SFT, SMALL, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.integration
 
 
-RECIPE = """
-name = "rltest"
-seed = 1
-
-[model]
-# tied like most small real models: the engines must serve the head the learner trains
-init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128, tie_embeddings = true }
-tokenizer = "char"
-
-[data]
-task = "addition"
-digits = 2
-eval_size = 16
-
-[sft]
-steps = 30
-batch_size = 32
-learning_rate = 3e-3
-warmup_steps = 5
-eval_every = 0
-save_every = 0
-
-[rl]
-init_from = "sft"
-steps = 3
-prompts_per_step = 4
-samples_per_prompt = 4
-max_new_tokens = 4
-eval_every = 0
-save_every = 1
-async = { max_staleness = 1 }
-
-[inference]
-engines = 1
-max_num_seqs = 32
-
-[trainer]
-ranks = 2
-zero_stage = 2
-"""
+RECIPE = tiny_recipe(
+    SMALL,
+    SFT,
+    RL,
+    name="rltest",
+    # tied like most small real models: the engines must serve the head the learner trains
+    model={"init": {"tie_embeddings": True}},
+    data={"eval_size": 16},
+    rl={"init_from": "sft", "steps": 3, "save_every": 1, "async": {"max_staleness": 1}},
+)
 
 
 def skyrl(cwd: Path, *args):
@@ -68,7 +39,7 @@ def skyrl(cwd: Path, *args):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("rl")
-    (root / "recipe.toml").write_text(RECIPE)
+    write_recipe(root / "recipe.toml", RECIPE)
     return root
 
 

@@ -14,19 +14,12 @@ import pytest
 
 from tests.integration.cli_runs import events, run_skyrl
 from tests.integration.test_rl import RECIPE as RL_RECIPE
+from tests.recipes import merged, write_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # test_rl.py's recipe (2 learner ranks, ZeRO-2) with INT4 rollouts; SFT stays in full precision
-RECIPE = (
-    RL_RECIPE.replace('name = "rltest"', 'name = "rlint4"')
-    + """
-[quantization]
-group_size = 32
-int4_qat = false
-int4_rollouts = true
-"""
-)
+RECIPE = merged(RL_RECIPE, name="rlint4", quantization={"group_size": 32, "int4_qat": False, "int4_rollouts": True})
 
 
 def quantization_config(model_dir: Path) -> dict:
@@ -34,7 +27,7 @@ def quantization_config(model_dir: Path) -> dict:
 
 
 def test_rl_with_int4_rollouts_serves_every_version_as_w4a16(tmp_path):
-    (tmp_path / "recipe.toml").write_text(RECIPE)
+    write_recipe(tmp_path / "recipe.toml", RECIPE)
     # the SFT stage stays full precision (int4_qat = false); the RL learner then trains under
     # fake-quant: the --set is the RL run's own, as a user would flip it for the RL stage
     run_skyrl("sft", "recipe.toml", "--quiet", cwd=tmp_path, timeout=600)

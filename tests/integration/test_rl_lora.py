@@ -18,6 +18,7 @@ import pytest
 
 from tests.integration.cli_runs import events, run_skyrl
 from tests.integration.conftest import PATTERN_LOW, hf_greedy, inference_recipe, single_engine, train_pattern_policy
+from tests.recipes import RL, SFT, SMALL, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -73,52 +74,23 @@ def test_adapter_versions_sync_and_match_transformers_peft(tiny_model_dir, tmp_p
     assert all(c.policy_versions == (1,) for c in at_v1) and all(c.policy_versions == (0,) for c in again_v0)
 
 
-RECIPE = """
-name = "rllora"
-seed = 1
-
-[model]
-# tied: LoRA adapters leave the embeddings and the head alone, and the base weights never reload
-init = { hidden_size = 64, layers = 2, heads = 2, intermediate_size = 128, tie_embeddings = true }
-tokenizer = "char"
-lora = { rank = 8, alpha = 16, target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] }
-
-[data]
-task = "addition"
-digits = 2
-eval_size = 16
-
-[sft]
-steps = 30
-batch_size = 32
-learning_rate = 3e-3
-warmup_steps = 5
-eval_every = 0
-save_every = 0
-
-[rl]
-init_from = "sft"
-steps = 3
-prompts_per_step = 4
-samples_per_prompt = 4
-max_new_tokens = 4
-learning_rate = 1e-3
-eval_every = 0
-save_every = 1
-kl = { coef = 0.01 }
-
-[inference]
-engines = 1
-max_num_seqs = 32
-
-[trainer]
-ranks = 2
-zero_stage = 2
-"""
+RECIPE = tiny_recipe(
+    SMALL,
+    SFT,
+    RL,
+    name="rllora",
+    model={
+        # tied: LoRA adapters leave the embeddings and the head alone, and the base weights never reload
+        "init": {"tie_embeddings": True},
+        "lora": {"rank": 8, "alpha": 16, "target_modules": list(ALL_LINEAR)},
+    },
+    data={"eval_size": 16},
+    rl={"init_from": "sft", "steps": 3, "learning_rate": 1e-3, "save_every": 1, "kl": {"coef": 0.01}},
+)
 
 
 def test_lora_run_resumes_onto_the_checkpoint_adapter(tmp_path):
-    (tmp_path / "recipe.toml").write_text(RECIPE)
+    write_recipe(tmp_path / "recipe.toml", RECIPE)
     run = tmp_path / "runs/rllora/rl"
     run_skyrl("rl", "recipe.toml", "--run-dir", run, "--set", "rl.steps=2", "--quiet", cwd=tmp_path, timeout=900)
     first_engine_log = (run / "logs/engine-0.log").read_text()

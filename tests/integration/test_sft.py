@@ -19,13 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_runs import ENV, events, run_skyrl
+from tests.recipes import merged, tiny_recipe, write_recipe
 
 pytestmark = pytest.mark.integration
-
-
-def write_recipe(path: Path, body: str) -> Path:
-    path.write_text('name = "itest"\nseed = 3\n' + body)
-    return path
 
 
 def skyrl(*args, check: bool = True):
@@ -34,33 +30,28 @@ def skyrl(*args, check: bool = True):
 
 # ------------------------------------------------------------------------------- one step, 2 ranks
 
-ONE_STEP = """
-[model]
-init = { hidden_size = 64, layers = 2, heads = 4, intermediate_size = 128 }
-tokenizer = "char"
+# ``data.train``: the test's JSONL file (``one_step_recipe``)
+ONE_STEP = tiny_recipe(
+    seed=3,
+    model={"init": {"hidden_size": 64, "intermediate_size": 128}},
+    data={"task": None, "digits": None, "eval_size": 4},
+    sft={
+        "steps": 1,
+        "batch_size": 16,
+        "learning_rate": 1e-3,
+        "warmup_steps": 0,
+        "weight_decay": 0.01,
+        "grad_clip": 0.5,
+        "max_tokens_per_microbatch": 64,
+        "eval_every": 0,
+        "save_every": 0,
+    },
+    logging={"log_every": 1},
+)
 
-[data]
-train = "{train}"
-eval_size = 4
 
-[sft]
-steps = 1
-batch_size = 16
-learning_rate = 1e-3
-warmup_steps = 0
-weight_decay = 0.01
-grad_clip = 0.5
-max_tokens_per_microbatch = 64
-eval_every = 0
-save_every = 0
-
-[trainer]
-ranks = 2
-zero_stage = 2
-
-[logging]
-log_every = 1
-"""
+def one_step_recipe(folder: Path, train: Path) -> Path:
+    return write_recipe(folder / "one_step.toml", merged(ONE_STEP, data={"train": str(train)}))
 
 
 def long_tailed_rows(n: int, seed: int = 0) -> list[dict]:
@@ -105,7 +96,7 @@ def test_two_rank_dynamic_step_equals_single_process_step(tmp_path):
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in long_tailed_rows(200)))
-    recipe_path = write_recipe(tmp_path / "one_step.toml", ONE_STEP.replace("{train}", str(train)))
+    recipe_path = one_step_recipe(tmp_path, train)
     run_dir = tmp_path / "run"
     skyrl("sft", recipe_path, "--run-dir", run_dir, "--quiet")
 
@@ -134,32 +125,21 @@ def load_initial(recipe) -> dict:
 
 # ----------------------------------------------------------------------------------- kill + resume
 
-RESUMABLE = """
-[model]
-init = { hidden_size = 128, layers = 2, heads = 4, intermediate_size = 256 }
-tokenizer = "char"
-
-[data]
-task = "addition"
-train_size = 2000
-eval_size = 50
-
-[sft]
-steps = 16
-batch_size = 64
-learning_rate = 3e-3
-warmup_steps = 2
-eval_every = 0
-save_every = 4
-keep_last = 2
-
-[trainer]
-ranks = 2
-zero_stage = 2
-
-[logging]
-log_every = 1
-"""
+RESUMABLE = tiny_recipe(
+    seed=3,
+    model={"init": {"intermediate_size": 256}},
+    data={"digits": None, "train_size": 2000, "eval_size": 50},
+    sft={
+        "steps": 16,
+        "batch_size": 64,
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "eval_every": 0,
+        "save_every": 4,
+        "keep_last": 2,
+    },
+    logging={"log_every": 1},
+)
 
 
 def run_until_checkpoint_then_kill(recipe_path: Path, run_dir: Path, step: int) -> None:
@@ -259,16 +239,14 @@ def test_cli_run_writes_summary_and_a_loadable_model(straight_run):
 
 
 def test_trainer_failure_reports_the_log(tmp_path):
-    recipe_path = write_recipe(
-        tmp_path / "bad.toml", RESUMABLE.replace('task = "addition"\n', 'task = "addition"\nmax_length = 8\n')
-    )
+    recipe_path = write_recipe(tmp_path / "bad.toml", merged(RESUMABLE, data={"max_length": 8}))
     proc = skyrl("sft", recipe_path, "--run-dir", tmp_path / "run", "--quiet", check=False)
     assert proc.returncode == 1
     assert "the trainer failed" in proc.stderr and "trainer.log" in proc.stderr
 
 
 def test_stop_at_accuracy_ends_early_and_a_resume_keeps_it_ended(tmp_path):
-    recipe = RESUMABLE.replace("eval_every = 0\n", "eval_every = 4\nstop_at_accuracy = 0.0\n")
+    recipe = merged(RESUMABLE, sft={"eval_every": 4, "stop_at_accuracy": 0.0})
     recipe_path = write_recipe(tmp_path / "stop.toml", recipe)
     run_dir = tmp_path / "run"
     proc = skyrl("sft", recipe_path, "--run-dir", run_dir, "--quiet")
