@@ -1,22 +1,20 @@
-"""Engine pools without engines: the pool's plan, what a run must match to use one, the state file,
-the lock, and a supervisor that adopts processes it must not tear down."""
+"""Engine pools without engines: the pool's plan, what a run must match to use one, the state file
+and the lock (a supervisor that adopts processes it must not tear down:
+tests/integration/test_engine_pool_processes.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from skyrl_cli.engines.pool import Pool, PoolProcess, choose_pool, fit_problem, leased, list_pools
-from skyrl_cli.launch.supervisor import Supervisor, pid_alive
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.machine import MachineFacts
-from skyrl_cli.plan.model import PoolAttachment, ProcessSpec
+from skyrl_cli.plan.model import PoolAttachment
 from skyrl_cli.plan.pool import engine_signature, first_difference, model_signature, plan_pool
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
@@ -166,27 +164,3 @@ def test_the_lease_refuses_a_second_holder_and_frees_on_exit(tmp_path):
     assert pool.holder() is None
     with leased(pool, tmp_path / "run-b"):
         pass
-
-
-def test_adopted_and_detached_processes_outlive_the_supervisor(tmp_path):
-    sleeper = (sys.executable, "-c", "import time; time.sleep(60)")
-    outside = subprocess.Popen(list(sleeper), start_new_session=True)
-    seen = []
-    try:
-        with Supervisor(tmp_path, on_detached=seen.append) as sup:
-            sup.adopt(ProcessSpec(name="engine-0", role="engine", argv=sleeper), outside.pid, tmp_path / "pool.log")
-            own = sup.start(ProcessSpec(name="job", role="trainer", argv=sleeper, kind="job"))
-            assert sup.poll() == {"engine-0": None, "job": None}
-            restarted = sup.restart("engine-0")  # what the engine recovery does to a dead engine
-            assert restarted.detached and restarted.popen.pid != outside.pid
-            assert restarted.log_path == tmp_path / "pool.log"
-            assert [p.spec.name for p in seen] == ["engine-0"]  # the pool's state file follows it
-        assert not pid_alive(own.popen.pid)  # the run's own process is torn down
-        assert pid_alive(restarted.popen.pid)  # the pool's is not
-        assert outside.wait(timeout=15) is not None  # the restart replaced the adopted one
-    finally:
-        for pid in (outside.pid, *(p.popen.pid for p in seen)):
-            try:
-                os.killpg(pid, 9)
-            except ProcessLookupError:
-                pass

@@ -73,17 +73,6 @@ def test_wandb_disabled_mode_makes_no_sink():
     assert wandb_sink_for(WandbConfig(mode="disabled"), "t", "/tmp") is None
 
 
-def test_wandb_offline_run_writes_locally(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    warnings = []
-    group = SinkGroup([WandbSink(WandbConfig(mode="offline"), "t", tmp_path, {"name": "t"})], warn=warnings.append)
-    group.start()
-    group.handle([event(1, "train/loss", 1.0), event(1, "train/lr", 0.1), event(2, "train/loss", 0.5)])
-    group.close({"metrics": {"train/loss": 0.5}})
-    assert warnings == []
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
-
-
 def test_json_lines_sink_prints_events_then_summary():
     out = io.StringIO()
     sink = JsonLinesSink(out)

@@ -25,7 +25,7 @@ from skyrl_cli.plan.nodes import (
     plan_cluster,
     plan_node,
 )
-from skyrl_cli.plan.slurm import gpus_per_node, sbatch_script
+from skyrl_cli.plan.slurm import gpus_per_node
 from skyrl_contracts.errors import LaunchError, UsageError
 from skyrl_contracts.rundir import RunDir, recipe_hash
 from skyrl_contracts.schema import Recipe
@@ -255,61 +255,6 @@ def srun_command(script: str) -> list[str]:
         if word.startswith("--"):
             assert word[2:].split("=")[0] in SRUN_OPTIONS, word
     return words
-
-
-def test_sbatch_script_for_a_two_node_rl_layout(tmp_path):
-    r = recipe(
-        {
-            "nodes": 2,
-            "trainer_nodes": 1,
-            "inference_nodes": 1,
-            "address": None,
-            "slurm": {"partition": "gpu", "account": "proj", "time": "04:00:00", "setup": ["source /env/bin/activate"]},
-        },
-        trainer={"ranks": 4, "device": "cuda"},
-        engines=4,
-    )
-    script = sbatch_script(
-        r,
-        "rl",
-        cluster_layout(r),
-        recipe_path=Path("/shared/recipes/my recipe.toml"),
-        run_dir=Path("/shared/runs/mn/rl"),
-        sets=["rl.steps=10"],
-        async_mode=True,
-        workdir=Path("/shared"),
-        executable="/shared/.venv/bin/skyrl",
-    )
-    options = check_sbatch_syntax(script)
-    assert options == {
-        "job-name": "skyrl-mn-rl",
-        "nodes": "2",
-        "ntasks-per-node": "1",
-        "gpus-per-node": "4",
-        "partition": "gpu",
-        "account": "proj",
-        "time": "04:00:00",
-        "output": "/shared/runs/mn/rl/logs/slurm-%j.log",
-    }
-    words = srun_command(script)
-    assert "--nodes=2" in words and "--output=/shared/runs/mn/rl/logs/slurm-%j-node%n.log" in words
-    assert words[-3:-1] == ["bash", "-c"]
-    node = shlex.split(words[-1])
-    assert node == [
-        "/shared/.venv/bin/skyrl",
-        "rl",
-        "/shared/recipes/my recipe.toml",
-        "--run-dir",
-        "/shared/runs/mn/rl",
-        "--set",
-        "rl.steps=10",
-        "--async",
-        "--quiet",
-        "--node-rank",
-        "$SLURM_NODEID",  # expanded inside each task, not by the batch step
-    ]
-    assert "source /env/bin/activate" in script
-    assert 'SKYRL_CLUSTER_ADDRESS="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in script
 
 
 def test_gpus_per_node_is_the_busiest_node():
