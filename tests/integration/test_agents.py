@@ -285,10 +285,11 @@ def user_data_recipe(workdir: Path, name: str, agent: str) -> Path:
         rl={
             "init_from": str(workdir / "runs/tooltest/sft/final"),
             "agent": agent,
-            "steps": 2,
+            "steps": 1,
             "max_new_tokens": 24,
             "keep_batches": True,
         },
+        trainer={"ranks": 1},  # one learner rank: what is tested is the orchestrator's side
     )
     return write_recipe(folder / "recipe.toml", recipe)
 
