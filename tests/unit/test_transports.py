@@ -16,24 +16,14 @@ from pathlib import Path
 import pytest
 
 from backends.inference.transports import SIDES, TransportSides, transport_module
-from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan
 from skyrl_cli.plan.pool import unpoolable
 from skyrl_cli.plan.rl import ENGINE_MODELS, learner_sync_args, plan_rl
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
 from skyrl_contracts.transports import TRANSPORT_NAMES, TRANSPORTS, EngineModel, Transport, TransportName
+from tests.unit.test_nccl_sync import CPU2, GPU8  # the described machines the weight-sync plans use
 
-GPU8 = MachineFacts(
-    cpu_cores=tuple(range(16)),
-    gpus=tuple(range(8)),
-    python="py",
-    torch_extensions_dir="/ext",
-    port_finder=lambda n: [30000 + i for i in range(n)],
-)
-CPU2 = MachineFacts(
-    cpu_cores=(0, 1), python="py", torch_extensions_dir="/ext", port_finder=lambda n: [30000 + i for i in range(n)]
-)
 INIT = "/models/m"
 
 
