@@ -40,13 +40,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import httpx
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotations in these globals
 
-if TYPE_CHECKING:
-    from backends.rollout.session import RolloutSession
+from backends.rollout.session import RolloutSession
 
 log = logging.getLogger("skyrl.agents")
 
@@ -68,11 +67,9 @@ class RecordedCall:
     finish_reason: str | None
 
 
-def samples_from_calls(calls: Sequence[RecordedCall]) -> list["RolloutSession"]:
+def samples_from_calls(calls: Sequence[RecordedCall]) -> list[RolloutSession]:
     """The recorded calls of one trajectory as training samples (see the module docs), each kept as a
     ``RolloutSession``'s token records, as an environment episode's are."""
-    from backends.rollout.session import RolloutSession
-
     samples: list[RolloutSession] = []
     for call in calls:
         current = samples[-1] if samples else None
@@ -317,8 +314,6 @@ class AgentServer:
                 and temperature == shared.temperature
                 and request.top_p == 1.0
             ):
-                from backends.rollout.session import RolloutSession
-
                 session = RolloutSession(self.client, prompt_ids, trajectory.session_id)
                 turn = await shared.take(trajectory.index, session)
                 if turn is not None:

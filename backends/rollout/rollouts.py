@@ -49,8 +49,14 @@ class Rollouts:
         self.window_started = time.perf_counter()
 
     async def trajectory(self, row, session_id: str, temperature: float, first_turn=None, index=0):
-        """(samples' token records, episode) of one trajectory."""
-        return await self.episodes.trajectory(row, session_id, temperature, first_turn, index)
+        """(samples' token records, episode) of one trajectory. Whatever its kind, a trajectory that
+        ended before its first turn (an environment's error, an agent that never called) releases
+        its place in the group's shared first turn, so that the group does not wait for it."""
+        try:
+            return await self.episodes.trajectory(row, session_id, temperature, first_turn, index)
+        finally:
+            if first_turn is not None:
+                first_turn.skip(index)
 
     async def generate_group(self, ref, start_version: int) -> Group:
         row = self.train_rows[ref.index]

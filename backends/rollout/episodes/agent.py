@@ -68,8 +68,6 @@ class AgentEpisodes:
         try:
             outcome = await run_agent(self.agent, row, endpoint, self.rl.agent_timeout_s)
         finally:
-            if first_turn is not None:
-                first_turn.skip(index)  # an agent that made no call must not hold up the group
             await self.server.close(session_id)
         parts = samples_from_calls(trajectory.calls)
         error = outcome.error or (None if parts else "agent: it made no call to the endpoint")

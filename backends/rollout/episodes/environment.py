@@ -122,8 +122,6 @@ class EnvironmentEpisodes:
         try:
             episode = await run_episode(self.make_env, row, generate, self.caller, self.max_turns, self.tool_use)
         finally:
-            if first_turn is not None:
-                first_turn.skip(index)  # an episode that ended before turn 0 must not hold up the group
             if session is not None:
                 await session.finish()
         return ([session] if session is not None else []), episode

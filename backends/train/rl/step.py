@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.train.microbatch import IGNORE, laid_out, right_padded, row_positions, token_logprobs
 from skyrl_contracts.losses import ADVANTAGE_KINDS, loss_reduction
 
 
@@ -57,7 +58,6 @@ class RLStep:
 
     def slices(self, samples, rows) -> list[Update]:
         """The step's slices (whole groups), each laid out in micro-batches for this rank."""
-        from backends.train.microbatch import laid_out
         from backends.train.packing import dynamic_layout
         from backends.train.rl.losses import LossNormalizer
         from backends.train.rl.minibatch import group_slices
@@ -138,7 +138,6 @@ class RLStep:
     def logprobs(self, model, mb: Tensors) -> torch.Tensor:
         """Logprob of every token given the ones before it, aligned with ``input_ids`` (position 0: 0),
         of the tempered distribution the engines sample from (they report processed logprobs)."""
-        from backends.train.microbatch import IGNORE, token_logprobs
 
         logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
         if self.rl.temperature != 1.0:
@@ -215,7 +214,6 @@ def sample_rows(samples, advantages: torch.Tensor) -> list[tuple[list[int], list
 
 def collate_rows(rows, pad_id: int) -> Tensors:
     """``sample_rows`` rows in the ``padded`` layout the SFT micro-batches use (``microbatch.collate``)."""
-    from backends.train.microbatch import right_padded, row_positions
 
     ids, mask, lps, adv = zip(*rows)
     input_ids = right_padded(ids, pad_id)
