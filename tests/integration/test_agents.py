@@ -200,6 +200,7 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
     for s in batch_samples(run):
         by_trajectory.setdefault(f"{s['prompt_uid']}_{s['index']}", []).append(s)
     assert len(by_trajectory) == 16
+    joined = 0  # appending trajectories whose two calls are one sample
     for session, samples in by_trajectory.items():
         index = int(session.rsplit("_", 1)[1])
         if index == 3:  # raised or hung: one empty sample, reward 0, an error record
@@ -207,7 +208,11 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
             assert samples[0]["response_ids"] == []
             continue
         first, second = calls[session]
-        if index == 2:  # the history was rewritten: each call is its own sample, with the trajectory's reward
+        context = first["prompt"] + first["tokens"]
+        # An appending agent's second prompt extends the first call's context, unless the model's
+        # call does not survive the round trip through the parser and the template (a sampled
+        # '[lookup(key=="[l")]' comes back as '[lookup()]'): a rewritten history, as index 2's.
+        if index == 2 or second["prompt"][: len(context)] != context:
             assert [(s["prompt_ids"], s["response_ids"]) for s in samples] == [
                 (first["prompt"], first["tokens"]),
                 (second["prompt"], second["tokens"]),
@@ -215,9 +220,8 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
             assert all(s["loss_mask"] == [1] * len(s["response_ids"]) for s in samples)
             assert samples[0]["reward"] == samples[1]["reward"]
             continue
+        joined += 1
         (sample,) = samples
-        context = first["prompt"] + first["tokens"]
-        assert second["prompt"][: len(context)] == context, "an appending agent's second prompt extends the first"
         between = second["prompt"][len(context) :]
         assert sample["prompt_ids"] == first["prompt"]
         assert sample["response_ids"] == first["tokens"] + between + second["tokens"]
@@ -225,6 +229,7 @@ def test_openai_agent_trains_on_exactly_the_sampled_tokens(workdir):
         n1 = len(first["tokens"])
         assert all(lp == 0 for lp in sample["rollout_logprobs"][n1 : n1 + len(between)])
         assert all(lp <= 0 for lp in sample["rollout_logprobs"][:n1] + sample["rollout_logprobs"][n1 + len(between) :])
+    assert joined >= 4, joined  # of the 8 appending trajectories, most round-trip their calls
     assert any(entry["tool_calls"] for entries in calls.values() for entry in entries), "tool calls parsed"
     errors = [json.loads(line)["error"] for line in (run / "sample_errors.jsonl").read_text().splitlines()]
     assert any("agent: RuntimeError: the agent fell over" in e for e in errors) or any(
