@@ -70,6 +70,9 @@ IDLE_BEFORE_THE_SERVER = httpx.Limits(keepalive_expiry=2.0)
 CLEAR_ERRORS = (
     "restarted",  # "the server restarted before this request ran", "lost when the server restarted"
     "connection",  # the server is not there (APIConnectionError)
+    # the raw HTTP client's request was on the wire when the server died (httpx.RemoteProtocolError:
+    # "Server disconnected without sending a response"); the SDK wraps the same as APIConnectionError
+    "server disconnected",
     "timed out",
     "timeout",
 )
