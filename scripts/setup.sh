@@ -3,8 +3,8 @@
 # Idempotent and fast when nothing changed: a stamp holds a hash of pyproject.toml, this script and
 # the extras; pip runs only when it differs.
 #
-#   scripts/setup.sh                      # .venv/ at the repository root, extras cpu,dev
-#   SKYRL_EXTRAS=gpu,dev scripts/setup.sh # CUDA machines
+#   scripts/setup.sh                      # .venv/ at the repository root, extras cpu,dev,verifiers
+#   SKYRL_EXTRAS=gpu,dev scripts/setup.sh # CUDA machines (add ,verifiers for rl.environment = "verifiers:...")
 #   SKYRL_VENV=/tmp/venv SKYRL_PYTHON=python3.11 scripts/setup.sh
 #   SKYRL_TORCH_INDEX=https://download.pytorch.org/whl/cpu scripts/setup.sh   # where no local torch wheel is configured
 #   SKYRL_NO_UV=1 scripts/setup.sh        # install with pip instead of uv
@@ -17,7 +17,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SKYRL_VENV:-$ROOT/.venv}"
 PYTHON="${SKYRL_PYTHON:-python3.11}"
-EXTRAS="${SKYRL_EXTRAS:-cpu,dev}"
+EXTRAS="${SKYRL_EXTRAS:-cpu,dev,verifiers}"
 TORCH_VERSION="2.13.0"
 STAMP="$VENV/.skyrl-setup.stamp"
 

@@ -10,7 +10,14 @@ there. ``rl.max_turns`` is therefore optional in the schema; unset (null) has on
 - ``environment`` (``rl.environment``, or a built-in task whose episodes call tools): 1, and a
   tool task needs 2 or more (the call, then the answer);
 - ``single_turn`` (``rl.reward``, a built-in task without tools, or the math default): one answer
-  is scored per episode, so a stated limit above 1 cannot act and is refused.
+  is scored per episode, so a stated limit above 1 cannot act and is refused;
+- ``skyrl_gym`` (``rl.environment = "skyrl_gym:<id>"`` or ``"skyrl_gym"``): the environment's
+  ``done`` ends an episode, as in SkyRL's generator; set, it also stops at the limit. The
+  environment is told the limit as SkyRL tells it (``extras["max_turns"]``, 1 when unset: SkyRL's
+  ``generator.max_turns`` default);
+- ``verifiers`` (``rl.environment = "verifiers:<env>"``): its rollouts call the endpoint as an
+  agent does, so the limit caps their calls as it caps an agent's; it is also each seat's
+  verifiers ``max_turns`` (a graceful stop that is still scored).
 """
 
 from __future__ import annotations
@@ -19,7 +26,21 @@ from typing import Literal
 
 from skyrl_contracts.schema import Recipe
 
-EpisodeKind = Literal["agent", "environment", "single_turn"]
+# "module:class" of each kind's runner (``backends.rollout.episodes.EpisodeRunner``), imported
+# only when a run takes it. A new kind is one module there, one entry here, and the rule in
+# ``episode_kind`` that says when a recipe runs it.
+EPISODE_RUNNERS: dict[str, str] = {
+    "environment": "backends.rollout.episodes.environment:EnvironmentEpisodes",
+    "single_turn": "backends.rollout.episodes.environment:EnvironmentEpisodes",
+    "agent": "backends.rollout.episodes.agent:AgentEpisodes",
+    "skyrl_gym": "backends.rollout.episodes.skyrl_gym:SkyRLGymEpisodes",
+    "verifiers": "backends.rollout.episodes.verifiers:VerifiersEpisodes",
+}
+EpisodeKind = Literal[tuple(EPISODE_RUNNERS)]
+
+# rl.environment = "<library>:<name>" (or the bare library): an environment another library defines,
+# run by that library's own episode kind (backends.rollout.episodes.<library>).
+ENVIRONMENT_LIBRARIES = ("skyrl_gym", "verifiers")
 
 # Built-in tasks whose episodes call a tool (backends.data.tasks: a task with an environment); light
 # on purpose, the driver does not import the data layer. Their SFT evaluation has no accuracy: it
@@ -27,10 +48,19 @@ EpisodeKind = Literal["agent", "environment", "single_turn"]
 TASKS_WITH_TOOLS = frozenset({"lookup"})
 
 
+def environment_library(ref: str | None) -> tuple[str, str] | None:
+    """(library, name) of a library environment reference; name "" where only the library is given."""
+    library, _, name = (ref or "").partition(":")
+    return (library, name) if library in ENVIRONMENT_LIBRARIES else None
+
+
 def episode_kind(recipe: Recipe) -> EpisodeKind:
     rl = recipe.rl
     if rl.agent is not None:
         return "agent"
+    library = environment_library(rl.environment)
+    if library is not None:
+        return library[0]
     if rl.environment is not None or (rl.reward is None and recipe.data.task in TASKS_WITH_TOOLS):
         return "environment"
     return "single_turn"
@@ -39,7 +69,7 @@ def episode_kind(recipe: Recipe) -> EpisodeKind:
 def turn_limit(recipe: Recipe) -> int | None:
     """Model turns per episode; for an agent, calls per trajectory (None: not capped)."""
     rl = recipe.rl
-    if rl.max_turns is not None or episode_kind(recipe) == "agent":
+    if rl.max_turns is not None or episode_kind(recipe) in ("agent", "skyrl_gym", "verifiers"):
         return rl.max_turns
     return 1
 

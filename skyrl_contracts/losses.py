@@ -5,7 +5,8 @@ imposes, whether an estimator's statistics are per group.
 One home for these facts, read by the recipe check (``skyrl_cli.recipe.validate``) and by the
 learner (``backends.train.rl``), so the two cannot disagree. The formulas live in the learner's own
 tables keyed alike (``backends.train.rl.losses.POLICY_LOSSES``, ``backends.train.rl.advantages.
-ESTIMATORS``); a new kind is one entry here, one there, and its name in the schema's ``Literal``.
+ESTIMATORS``); a new kind is one entry here and one there (the schema's ``rl.loss.kind`` and
+``rl.advantage.kind`` accept the keys of these tables: ``LossKindName``, ``AdvantageKindName``).
 """
 
 from __future__ import annotations
@@ -73,3 +74,7 @@ def _owners(key: str) -> str:
 
 def _quoted(kind: str) -> str:
     return f'"{kind}"'
+
+
+LossKindName = Literal[tuple(LOSS_KINDS)]
+AdvantageKindName = Literal[tuple(ADVANTAGE_KINDS)]

@@ -11,9 +11,11 @@ processes both load it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from skyrl_contracts.losses import AdvantageKindName, LossKindName
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -22,6 +24,9 @@ Probability = Annotated[float, Field(ge=0, le=1)]
 LearningRate = Annotated[float, Field(gt=0, le=1)]
 # "module.path:attribute"; resolved inside the process that uses it.
 ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+# rl.environment: an ImportRef, or "<library>:<name>" / "<library>" for another library's environments
+# (skyrl_contracts.episodes.environment_library; ids may hold "-", "/" and ".").
+EnvironmentRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[\w.\-/]+)?$")]
 
 
 class Section(BaseModel):
@@ -108,11 +113,52 @@ class ModelConfig(Section):
 # ---------------------------------------------------------------------------------------------- data
 
 
+# data.task = "reasoning_gym:<name>": any reasoning-gym dataset (backends.data.reasoning_gym); the name is
+# checked against the installed package by `skyrl recipes validate` (skyrl_cli.recipe.validate).
+ReasoningGymTask = Annotated[str, Field(pattern=r"^reasoning_gym:[A-Za-z_]\w*$")]
+# Set by the recipe itself (seed, data.train_size, data.eval_size), so the splits follow the recipe.
+REASONING_GYM_RESERVED = ("seed", "size")
+
+
+class ReasoningGymDataset(Section):
+    """One dataset of a reasoning-gym mixture (``data.task = "reasoning_gym:composite"``)."""
+
+    weight: PositiveFloat = Field(1.0, description="Relative share of the mixture's rows.")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="The dataset's generator options (its config dataclass's fields)."
+    )
+
+
+class ReasoningGymConfig(Section):
+    """``[data.reasoning_gym]``: options of a ``reasoning_gym:<name>`` task."""
+
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The generator's options (the fields of the dataset's config dataclass, e.g. "
+        "max_word_len for spell_backward); seed and size come from the recipe.",
+    )
+    datasets: dict[str, ReasoningGymDataset] = Field(
+        default_factory=dict,
+        description='task = "reasoning_gym:composite": the mixture, one `[data.reasoning_gym.datasets.<name>]` '
+        "(weight, config) per dataset, sampled by reasoning-gym's CompositeDataset.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description='A prompt of reasoning_gym.utils.SYSTEM_PROMPTS ("default", "direct", ...) as the system '
+        "message; unset: the question alone. Answers are always read from <answer>...</answer>.",
+    )
+
+
 class DataConfig(Section):
     """Training and evaluation data: a built-in verifiable task or local files."""
 
-    task: Literal["addition", "reversal", "lookup"] | None = Field(
-        None, description="Built-in verifiable task, generated deterministically from the recipe seed."
+    task: Literal["addition", "reversal", "lookup"] | ReasoningGymTask | None = Field(
+        None,
+        description='Built-in verifiable task, generated deterministically from the recipe seed; "reasoning_gym:<name>" '
+        "for a reasoning-gym dataset (options in [data.reasoning_gym]).",
+    )
+    reasoning_gym: ReasoningGymConfig | None = Field(
+        None, description='Options of a task = "reasoning_gym:<name>" (generator config, mixture, system prompt).'
     )
     train: str | None = Field(None, description="Local JSONL / parquet file or HF dataset directory.")
     eval: str | None = Field(None, description="Held-out split (same formats as train).")
@@ -139,10 +185,41 @@ class DataConfig(Section):
         "(model.init, or model.path's config.json), capped at 512; more than the model's is an error.",
     )
 
+    @field_validator("task", mode="wrap")
+    @classmethod
+    def _one_line_task_error(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:  # a union's error is one line per member; the author needs one
+            raise ValueError(
+                f'{value!r} is not a task: "addition", "reversal", "lookup" or "reasoning_gym:<dataset name>"'
+            ) from None
+
     @model_validator(mode="after")
     def _task_or_files(self) -> "DataConfig":
         if (self.task is None) == (self.train is None):
             raise ValueError("set exactly one of data.task or data.train")
+        rg = self.reasoning_gym
+        is_rg = self.task is not None and self.task.startswith("reasoning_gym:")
+        if rg is not None and not is_rg:
+            raise ValueError('data.reasoning_gym applies to task = "reasoning_gym:<name>" only')
+        if not is_rg:
+            return self
+        rg = rg or ReasoningGymConfig()
+        composite = self.task == "reasoning_gym:composite"
+        if composite and not rg.datasets:
+            raise ValueError("reasoning_gym:composite needs its mixture: [data.reasoning_gym.datasets.<name>]")
+        if composite and rg.config:
+            raise ValueError("reasoning_gym:composite: set each dataset's options in data.reasoning_gym.datasets")
+        if rg.datasets and not composite:
+            raise ValueError('data.reasoning_gym.datasets is a mixture: set task = "reasoning_gym:composite"')
+        configs = {"config": rg.config, **{f"datasets.{k}.config": d.config for k, d in rg.datasets.items()}}
+        for where, config in configs.items():
+            if reserved := [key for key in REASONING_GYM_RESERVED if key in config]:
+                raise ValueError(
+                    f"data.reasoning_gym.{where}: remove {' and '.join(reserved)} (set by the recipe's seed, "
+                    "data.train_size and data.eval_size)"
+                )
         return self
 
 
@@ -179,12 +256,12 @@ class SftConfig(Section):
 
 
 class AdvantageConfig(Section):
-    kind: Literal["grpo", "rloo", "reinforce_pp"] = Field("grpo", description="Advantage estimator.")
+    kind: AdvantageKindName = Field("grpo", description="Advantage estimator.")
     std_normalize: bool = Field(True, description="GRPO: divide by the group's reward std.")
 
 
 class PolicyLossConfig(Section):
-    kind: Literal["ppo_clip", "dual_clip", "gspo", "cispo"] = Field("ppo_clip", description="Policy loss.")
+    kind: LossKindName = Field("ppo_clip", description="Policy loss.")
     eps_low: Annotated[float, Field(ge=0, le=1)] = Field(0.2, description="Lower clip range of the ratio.")
     eps_high: Annotated[float, Field(ge=0, le=10)] = Field(0.28, description="Upper clip range of the ratio.")
     dual_clip_c: Annotated[float, Field(gt=1)] = Field(3.0, description="Dual-clip bound for negative advantages.")
@@ -248,7 +325,27 @@ class RlConfig(Section):
     kl: KlConfig = Field(default_factory=KlConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
-    environment: ImportRef | None = Field(None, description="Custom environment class `module:Class`.")
+    environment: EnvironmentRef | None = Field(
+        None,
+        description="Environment: a class `module:Class`, a skyrl-gym environment `skyrl_gym:<id>` (`skyrl_gym` "
+        "alone: each row's `env_class`) or a verifiers environment `verifiers:<module>` (docs/environments.md).",
+    )
+    env_config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="skyrl-gym: each environment id's `env_config` (`[rl.env_config.<id>]`), as SkyRL's "
+        "`environment.skyrl_gym.<id>`.",
+    )
+    env_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="verifiers: its `[env]` table (`EnvConfig`): `taskset` knobs, seats such as "
+        '`agent = { harness = { id = "null" } }`, `id` of a reusable env (e.g. `best-of-n`); the taskset id '
+        "comes from rl.environment.",
+    )
+    environment_modules: list[str] = Field(
+        default_factory=list,
+        description="Modules imported before the environment is made: where a skyrl-gym environment is "
+        "registered (`skyrl_gym.register`). Found next to the recipe like rl.environment.",
+    )
     reward: ImportRef | None = Field(None, description="Custom reward function `module:function`.")
     reward_timeout_s: PositiveFloat = Field(10.0, description="A reward call slower than this scores 0.")
     max_turns: PositiveInt | None = Field(

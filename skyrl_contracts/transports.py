@@ -8,19 +8,17 @@ up once and acts on the spec's facts, never on the name; the two sides of a tran
 module, ``backends.inference.transports.<name>`` (``publisher``: the learner's; ``engine_loader``:
 the orchestrator's).
 
-A new transport is one module there and one entry in ``TRANSPORTS`` below (with its name in
-``TransportName``, checked equal by tests/unit/test_transports.py); ``select_weight_sync`` says when
-a run takes it.
+A new transport is one module there and one entry in ``TRANSPORTS`` below (``TransportName`` and
+the workers' ``--weight-sync`` choices are read off the table); ``select_weight_sync`` says when a
+run takes it.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
-TransportName = Literal["nccl", "disk", "lora", "int4"]
-TRANSPORT_NAMES: tuple[str, ...] = get_args(TransportName)
 # Where it works everywhere: a worker started without --weight-sync, a pool recorded without one.
 DEFAULT_TRANSPORT: TransportName = "disk"
 TRANSPORTS_PACKAGE = "backends.inference.transports"
@@ -82,3 +80,6 @@ TRANSPORTS: dict[str, Transport] = {
         ),
     )
 }
+TRANSPORT_NAMES: tuple[str, ...] = tuple(TRANSPORTS)
+# The plan's and the workers' type, read off the table: a new entry is a new name everywhere.
+TransportName = Literal[TRANSPORT_NAMES]

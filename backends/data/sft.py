@@ -15,7 +15,7 @@ from typing import Callable
 
 from backends.data.chat import Example, encode_conversations, encode_prompt, split_reference, to_messages
 from backends.data.files import hold_out, load_rows
-from backends.data.tasks import Task, exact_match, flawed_demonstrations, get_task
+from backends.data.tasks import Task, exact_match, flawed_demonstrations, task_for
 from skyrl_contracts.schema import DataConfig
 
 
@@ -40,7 +40,7 @@ class SourceRows:
 
     def alphabet(self) -> str:
         """The characters a character tokenizer needs."""
-        if self.task is not None:
+        if self.task is not None and self.task.alphabet:  # a reasoning-gym task's is its rows'
             return self.task.alphabet
         chars: set[str] = set()
         for conv in (*self.train, *self.eval):
@@ -61,7 +61,7 @@ class SftData:
 
 def load_source(data: DataConfig, seed: int) -> SourceRows:
     if data.task is not None:
-        task = get_task(data.task, data.digits)
+        task = task_for(data)
         train = task.make_rows(seed, data.train_size, "train")
         if data.flawed_demos:
             train = flawed_demonstrations(task, train, data.flawed_demos, seed)

@@ -7,9 +7,11 @@ The SFT stage (targets and held-out accuracy) and the RL stage (prompts and rewa
     messages = task.prompt(rows[0])                       # [{"role": "user", "content": "007+123="}]
     task.reward("130", rows[0])                           # 1.0
 
+``"reasoning_gym:<name>"`` is any reasoning-gym dataset (``backends.data.reasoning_gym``).
+
 Splits never overlap: every problem belongs to exactly one split by a hash of (seed, task, problem),
 so train and eval can be generated independently (and by different processes) with the same result.
-Rows are plain JSON-able dicts.
+Rows are plain JSON-able dicts (a reasoning-gym row also carries its entry as the dataset made it).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from skyrl_contracts.schema import DataConfig, ReasoningGymConfig
 
 Split = Literal["train", "eval"]
 EVAL_PERMILLE = 100  # 10% of the problem space is held out
@@ -224,14 +228,58 @@ class Lookup(Task):
         return LookupEnvironment.tool_schemas()
 
 
+@dataclass(frozen=True)
+class ReasoningGym(Task):
+    """``"reasoning_gym:<name>"``: a reasoning-gym dataset or mixture (``backends.data.reasoning_gym``:
+    the adapter, its rows and answer format). ``digits`` does not apply; the generator's options
+    are ``options`` (the recipe's ``[data.reasoning_gym]``)."""
+
+    options: ReasoningGymConfig = field(default_factory=ReasoningGymConfig, compare=False)
+
+    @property
+    def source(self):
+        from backends.data.reasoning_gym import ReasoningGymSource
+
+        return ReasoningGymSource(self.name, self.options)
+
+    @property
+    def alphabet(self) -> str:
+        """Unknown before rows are drawn: ``backends.data.sft.SourceRows.alphabet`` collects the
+        characters of the generated conversations (questions, tagged answers, system prompt)."""
+        return ""
+
+    def make_rows(self, seed: int, n: int, split: Split) -> list[dict]:
+        return self.source.make_rows(seed, n, split, lambda question: in_split(seed, self.name, question, split))
+
+    def prompt(self, row: dict) -> list[dict[str, str]]:
+        return self.source.prompt(row)
+
+    def reward(self, response: str, row: dict) -> float:
+        return self.source.reward(response, row)
+
+    def flawed_answer(self, row: dict) -> str | None:
+        return self.source.flawed_answer(row)
+
+
 TASKS: dict[str, type[Task]] = {"addition": Addition, "reversal": Reversal, "lookup": Lookup}
 
 
-def get_task(name: str, digits: int = 3) -> Task:
+def get_task(name: str, digits: int = 3, reasoning_gym: ReasoningGymConfig | None = None) -> Task:
+    """A built-in task, or a reasoning-gym dataset (``"reasoning_gym:<name>"``) with the recipe's
+    ``[data.reasoning_gym]`` options (needed to draw rows; scoring a row needs none)."""
+    if name.startswith("reasoning_gym:"):
+        return ReasoningGym(name=name, digits=digits, options=reasoning_gym or ReasoningGymConfig())
     try:
         return TASKS[name](name=name, digits=digits)
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}") from None
+        raise ValueError(
+            f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}, or reasoning_gym:<dataset name>"
+        ) from None
+
+
+def task_for(data: DataConfig) -> Task:
+    """The task of a recipe's ``[data]`` table (``data.task`` must be set)."""
+    return get_task(data.task, data.digits, data.reasoning_gym)
 
 
 def score(task: Task | str, response: str, answer: str) -> float:

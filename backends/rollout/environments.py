@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from .rewards import GuardedCaller, RewardFn, as_reward, math_reward
+from .tools import ToolCall, ToolResult, as_tools, call_tool, tool_message
 
 Message = dict[str, Any]
 Messages = list[Message]
@@ -70,6 +72,14 @@ class Environment(ABC):
     def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
         """The answer of a tool declared by JSON schema only (override it to declare such tools)."""
         raise NotImplementedError(f"tool {name!r} has a schema but the environment defines no call_tool")
+
+    def metrics(self) -> Mapping[str, float]:
+        """Numbers about the finished episode, averaged over a step's episodes into its metrics as
+        ``rollout/env/<name>`` (asked once, after the last step, before ``close``)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the episode holds (called once it ends, however it ends)."""
 
 
 def declares_tools(make_env: "EnvironmentFactory") -> bool:
@@ -183,6 +193,7 @@ class Episode:
     step_infos: list[dict[str, Any]] = field(default_factory=list)
     tool_calls: int = 0
     tool_errors: list[str] = field(default_factory=list)  # one line per failed call (the model saw it)
+    env_metrics: dict[str, float] = field(default_factory=dict)  # Environment.metrics(), numbers only
     messages: Messages = field(default_factory=list)  # the conversation: prompt, raw model turns, observations
 
     def fail(self, error: str) -> "Episode":
@@ -209,6 +220,7 @@ def messages_error(value: Any) -> str | None:
 class TurnText:
     text: str  # the turn decoded without special tokens: what ``step`` scores
     raw: str  # decoded with them, less the closing end-of-turn token: what tool calls are parsed from
+    context_full: bool = False  # no token fit in the engines' context: no turn was taken
 
 
 # generate(history, new_messages, tools) -> the model's turn. The generator keeps the token context
@@ -232,17 +244,44 @@ async def run_episode(
     row: Mapping[str, Any],
     generate: Generate,
     caller: GuardedCaller,
-    max_turns: int,
+    max_turns: int | None,
     tool_use: ToolUse | None = None,
 ) -> Episode:
-    """Drive one trajectory: reset, then generate and step (or run its tool calls) until done or ``max_turns``."""
-    from backends.rollout.tools import as_tools
-
+    """Drive one trajectory: reset, then generate and step (or run its tool calls) until done or
+    ``max_turns`` (None: until done; the engines' context length bounds it)."""
     episode = Episode()
     built = await caller.acall(make_env)
     if built.error:
         return episode.fail(f"environment: {built.error}")
     env: Environment = built.value
+    try:
+        return await drive_episode(env, episode, row, generate, caller, max_turns, tool_use)
+    finally:
+        await finish_episode(env, episode, caller)
+
+
+async def finish_episode(env: Environment, episode: Episode, caller: GuardedCaller) -> None:
+    """The environment's metrics, then its ``close``; a failure of either is logged on the episode
+    (its reward stands: the episode itself ended)."""
+    measured = await caller.acall(env.metrics)
+    if measured.error is None and isinstance(measured.value, Mapping):
+        episode.env_metrics = {
+            str(k): float(v) for k, v in measured.value.items() if isinstance(v, (int, float)) and v == v
+        }
+    closed = await caller.acall(env.close)
+    if measured.error or closed.error:
+        episode.step_infos.append({"close_error": measured.error or closed.error})
+
+
+async def drive_episode(
+    env: Environment,
+    episode: Episode,
+    row: Mapping[str, Any],
+    generate: Generate,
+    caller: GuardedCaller,
+    max_turns: int | None,
+    tool_use: ToolUse | None,
+) -> Episode:
     reset = await caller.acall(env.reset, row)
     if reset.error or messages_error(reset.value):
         return episode.fail(f"reset: {reset.error or messages_error(reset.value)}")
@@ -258,8 +297,10 @@ async def run_episode(
     schemas = [tool.schema for tool in tools.values()]
     new_messages: Messages = list(reset.value)
     total = 0.0
-    for turn in range(max_turns):
+    for turn in itertools.count() if max_turns is None else range(max_turns):
         response = await generate(episode.messages, new_messages, schemas)
+        if response.context_full:  # the episode ends unscored past its last turn, as a max_turns stop
+            break
         episode.messages += [*new_messages, {"role": "assistant", "content": response.raw}]
         episode.turns = turn + 1
         if tools:
@@ -293,8 +334,6 @@ async def run_episode(
 async def run_tool_calls(env: Environment, tools, parsed, tool_use: ToolUse, caller: GuardedCaller, episode: Episode):
     """The ``tool`` messages answering a turn's calls (run concurrently, in the turn's order);
     failures are counted on ``episode`` and, with ``end_on_error``, end it."""
-    from backends.rollout.tools import ToolCall, ToolResult, call_tool, tool_message
-
     fallback = env.call_tool if type(env).call_tool is not Environment.call_tool else None
     if parsed.error:  # the model sees the error; the record also shows what it wrote
         shown = parsed.content if len(parsed.content) <= 80 else parsed.content[:77] + "..."

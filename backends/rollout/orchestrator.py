@@ -58,9 +58,9 @@ def load_rows(recipe: Recipe) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows for the environment (built-in task rows or file rows)."""
     data = recipe.data
     if data.task is not None:
-        from backends.data.tasks import get_task
+        from backends.data.tasks import task_for
 
-        task = get_task(data.task, data.digits)
+        task = task_for(data)
         return task.make_rows(recipe.seed, data.train_size, "train"), task.make_rows(
             recipe.seed, data.eval_size, "eval"
         )
@@ -115,6 +115,8 @@ class Orchestrator:
         self.staleness = self.rl.async_.max_staleness if async_mode else 0
         self.tokenizer = tokenizer
         self.train_rows, self.eval_rows = list(rows[0]), list(rows[1])
+        self.episodes.check_rows(self.train_rows, "training data")
+        self.episodes.check_rows(self.eval_rows, "held-out data")
         self.open_client, self.engines, self.exchange, self.events = open_client, engines, exchange, events
         self.paths: RunDir = exchange.paths
         self.resume = resume

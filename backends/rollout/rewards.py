@@ -141,15 +141,20 @@ def math_reward(response: str, answer: str) -> float:
     return float(bool(predicted) and verify(gold, predicted, timeout_seconds=None))
 
 
+def import_user_module(name: str, what: str):
+    """Import a module a recipe names; ``what`` (the key and value) leads the one-line error."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise UsageError(f"{what}: cannot import module {name!r} ({exc})") from exc
+
+
 def load_object(ref: str, what: str) -> Any:
     """Resolve ``"package.module:attribute"`` (a recipe's reward / environment) with importlib."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"{what} {ref!r} must look like 'module.path:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"{what} {ref!r}: cannot import module {module_name!r} ({exc})") from exc
+    module = import_user_module(module_name, f"{what} {ref!r}")
     try:
         return getattr(module, attr)
     except AttributeError:

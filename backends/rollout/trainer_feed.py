@@ -47,6 +47,7 @@ class TrainerFeed:
             if samples and "tool_calls" in samples[0].info:
                 metrics["rollout/tool_calls_mean"] = sum(s.info["tool_calls"] for s in samples) / len(samples)
                 metrics["rollout/tool_errors_mean"] = sum(s.info["tool_errors"] for s in samples) / len(samples)
+            metrics |= environment_metrics(samples)
             if self.rl.dynamic_sampling.enabled:
                 seen = taken.dropped_since_last + len(taken.groups)
                 metrics["rollout/dropped_frac"] = taken.dropped_since_last / max(1, seen)
@@ -68,3 +69,14 @@ class TrainerFeed:
                 len(taken.groups),
             )
         return taken
+
+
+def environment_metrics(samples) -> dict[str, float]:
+    """``rollout/env/<name>``: each environment metric (``Environment.metrics``) averaged over the
+    trajectories that report it, each trajectory once however many samples it left."""
+    sums: dict[str, list[float]] = {}
+    for info in {(s.prompt_uid, s.index): s.info for s in samples}.values():
+        for key, value in info.items():
+            if key.startswith("env/"):
+                sums.setdefault(key, []).append(value)
+    return {f"rollout/{key}": sum(values) / len(values) for key, values in sums.items()}

@@ -10,11 +10,12 @@ feature lands, delete its entry here (and its broken-recipe test, if any) in the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from skyrl_contracts.episodes import TASKS_WITH_TOOLS, turn_problems
+from skyrl_contracts.episodes import TASKS_WITH_TOOLS, environment_library, turn_problems
 from skyrl_contracts.losses import RATIO_BOUNDS, inert_loss_keys
 from skyrl_contracts.schema import Recipe
 
@@ -197,16 +198,54 @@ def module_findable(name: str, first: list[Path]) -> bool:
 
 def user_code_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
     problems = []
+    first = [base_dir, Path.cwd()]
     for path in USER_CODE_KEYS:
         ref = _get(recipe.model_dump(by_alias=True), path)
-        if isinstance(ref, str) and not module_findable(ref.partition(":")[0], [base_dir, Path.cwd()]):
-            problems.append(
-                Problem(
-                    path,
-                    f"cannot find module {ref.partition(':')[0]!r} (looked next to the recipe, "
-                    "in the current directory and in the installed packages)",
-                )
+        if not isinstance(ref, str) or (path == ("rl", "environment") and environment_library(ref)):
+            continue  # a library's environments: environment_problems
+        if not module_findable(ref.partition(":")[0], first):
+            problems.append(Problem(path, f"cannot find module {ref.partition(':')[0]!r} ({LOOKED})"))
+    if recipe.rl is not None:
+        for i, module in enumerate(recipe.rl.environment_modules):
+            if not module_findable(module, first):
+                problems.append(Problem(("rl", "environment_modules", i), f"cannot find module {module!r} ({LOOKED})"))
+    return problems
+
+
+LOOKED = "looked next to the recipe, in the current directory and in the installed packages"
+# The package each library's environments need, and its install command.
+LIBRARY_PACKAGES = {
+    "skyrl_gym": ("skyrl_gym", 'pip install "skyrl-gym>=0.4,<0.5"'),
+    "verifiers": ("verifiers", 'pip install "skyrl-cli[verifiers]"'),
+}
+CLASS_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def environment_problems(recipe: Recipe) -> list[Problem]:
+    """rl.environment's form, its library installed, and the keys only one library reads."""
+    rl = recipe.rl
+    if rl is None:
+        return []
+    library = environment_library(rl.environment)
+    problems = []
+    if rl.environment and library is None and not CLASS_REF.match(rl.environment):
+        problems.append(
+            Problem(
+                ("rl", "environment"),
+                f"{rl.environment!r} is neither a class 'module:Class' nor a library environment "
+                "('skyrl_gym:<id>', 'skyrl_gym', 'verifiers:<environment>')",
             )
+        )
+    if library is not None:
+        module, install = LIBRARY_PACKAGES[library[0]]
+        if not module_findable(module, []):
+            problems.append(Problem(("rl", "environment"), f"needs the {module} package: {install}"))
+        if library[0] == "verifiers" and not library[1]:
+            problems.append(Problem(("rl", "environment"), "name the verifiers environment: 'verifiers:<environment>'"))
+    kind = library[0] if library else None
+    for key, wanted in (("env_config", "skyrl_gym"), ("environment_modules", "skyrl_gym"), ("env_args", "verifiers")):
+        if getattr(rl, key) and kind != wanted:
+            problems.append(Problem(("rl", key), f'applies to rl.environment = "{wanted}:..." only; remove this key'))
     return problems
 
 
@@ -255,10 +294,59 @@ TASKS_WITH_A_FLAW = frozenset({"addition", "lookup"})
 DATA_FILE_SUFFIXES = frozenset({".jsonl", ".json", ".parquet"})  # backends.data.files.load_rows reads these
 
 
+_REGISTERS = re.compile(r"""register_dataset\(\s*(?:(["'])(\w+)\1|(\w+))""")
+
+
+def reasoning_gym_names() -> list[str] | None:
+    """The dataset names the installed reasoning-gym registers, read from its source (importing it
+    takes seconds): ``register_dataset("name", ...)`` or ``register_dataset(NAME, ...)`` with
+    ``NAME = "name"`` in the same file. None when the package is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("reasoning_gym")
+    if spec is None:
+        return None
+    names = set()
+    for root in spec.submodule_search_locations or ():
+        for path in Path(root).rglob("*.py"):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            for match in _REGISTERS.finditer(text) if "register_dataset(" in text else ():
+                if match.group(2):
+                    names.add(match.group(2))
+                elif constant := re.search(rf"""^{match.group(3)}\s*=\s*(["'])(\w+)\1""", text, re.M):
+                    names.add(constant.group(2))
+    return sorted(names)
+
+
+def reasoning_gym_problems(data) -> list[Problem]:
+    """``data.task = "reasoning_gym:<name>"``: the package is installed and every name is one of its
+    datasets (a did-you-mean otherwise). Generator options are checked when the rows are drawn."""
+    import difflib
+
+    names = reasoning_gym_names()
+    if names is None:
+        return [Problem(("data", "task"), 'needs the reasoning-gym package: pip install "reasoning-gym>=0.1.25,<0.2"')]
+    if not names:  # a layout this scan does not know: the backend's check still runs
+        return []
+    wanted = [(("data", "task"), data.task.removeprefix("reasoning_gym:"))]
+    if data.reasoning_gym is not None:
+        wanted += [(("data", "reasoning_gym", "datasets", name), name) for name in data.reasoning_gym.datasets]
+    problems = []
+    for path, name in wanted:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}?" if close else f"it has {len(names)}: {', '.join(names[:8])}, ..."
+            problems.append(Problem(path, f"{name!r} is not a reasoning-gym dataset; {hint}"))
+    return problems
+
+
 def data_problems(recipe: Recipe) -> list[Problem]:
     data = recipe.data
     problems = []
-    if data.flawed_demos and data.task not in TASKS_WITH_A_FLAW:
+    reasoning_gym = data.task is not None and data.task.startswith("reasoning_gym:")
+    if reasoning_gym:
+        problems += reasoning_gym_problems(data)
+    if data.flawed_demos and data.task not in TASKS_WITH_A_FLAW and not reasoning_gym:
         what = f'task = "{data.task}"' if data.task else "data files"
         problems.append(
             Problem(

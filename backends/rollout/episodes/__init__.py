@@ -7,10 +7,14 @@ A kind is what ``skyrl_contracts.episodes.episode_kind`` says of the recipe (the
   a reward function's single-turn wrapper or the math default) driven turn by turn through the
   router, with tool calls where it offers tools;
 - ``agent.AgentEpisodes``: the recipe's agent program against the OpenAI-compatible endpoint, its
-  recorded calls made into samples.
+  recorded calls made into samples;
+- ``skyrl_gym.SkyRLGymEpisodes``: a skyrl-gym environment (``BaseTextEnv``) made per trajectory;
+- ``verifiers.VerifiersEpisodes``: a verifiers environment rolled out by verifiers against the
+  endpoint, scored by its rubric.
 
 A new kind of episode (another library's environments) is one module here with a class that
-implements ``EpisodeRunner``, and one entry in ``RUNNERS`` (and in ``episode_kind``).
+implements ``EpisodeRunner``, one entry in ``skyrl_contracts.episodes.EPISODE_RUNNERS`` (the kind's
+name everywhere) and its rule in ``episode_kind``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Mapping, Protocol, Sequence
 
-from skyrl_contracts.episodes import episode_kind
+from skyrl_contracts.episodes import EPISODE_RUNNERS, episode_kind
 from skyrl_contracts.schema import Recipe
 
 
@@ -36,6 +40,10 @@ class EpisodeRunner(Protocol):
 
     async def stop(self) -> None: ...
 
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], source: str) -> None:
+        """Raise ``UsageError`` naming ``source`` (``data.train``, ``data.eval``), the row and the
+        field where a row lacks what this kind's episodes need: before any engine work."""
+
     async def trajectory(
         self, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index: int = 0
     ) -> tuple[list, Any]:
@@ -48,13 +56,9 @@ class EpisodeRunner(Protocol):
         """The model turns a sample counts (``Sample.num_turns``)."""
 
 
-# "module:class" per kind, imported when chosen: the agent endpoint's FastAPI costs 0.5 s of
-# import that a run without agents need not pay.
-RUNNERS: dict[str, str] = {
-    "environment": "backends.rollout.episodes.environment:EnvironmentEpisodes",
-    "single_turn": "backends.rollout.episodes.environment:EnvironmentEpisodes",
-    "agent": "backends.rollout.episodes.agent:AgentEpisodes",
-}
+# The agent endpoint's FastAPI costs 0.5 s of import that a run without agents need not pay: each
+# kind's module is imported when a run takes it.
+RUNNERS = EPISODE_RUNNERS
 
 
 def runner_class(kind: str) -> type:

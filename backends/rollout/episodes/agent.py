@@ -59,6 +59,9 @@ class AgentEpisodes:
         if self.server is not None:
             await self.server.stop()
 
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], source: str) -> None:
+        return None  # the agent program reads its rows; what it cannot use is its error record
+
     async def trajectory(self, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0):
         """(the samples built from the agent's recorded calls, episode). Evaluation (temperature 0)
         samples every call greedily, whatever the agent asks."""

@@ -85,9 +85,11 @@ class EnvironmentEpisodes:
 
     first_turn_wait_s = None  # every trajectory of a group reaches its first turn (or skips it)
 
-    def __init__(self, recipe: Recipe, tokenizer):
+    def __init__(self, recipe: Recipe, tokenizer, make_env: EnvironmentFactory | None = None):
+        """``make_env``: the environments to run (another library's, adapted); by default the
+        recipe's (``environment_factory``)."""
         self.rl, self.tokenizer = recipe.rl, tokenizer
-        self.make_env = environment_factory(recipe)
+        self.make_env = make_env or environment_factory(recipe)
         self.tool_use = tool_use(recipe, tokenizer, self.make_env)
         self.max_turns = turn_limit(recipe)
         self.caller = GuardedCaller(self.rl.reward_timeout_s, self.rl.env_concurrency)
@@ -99,6 +101,9 @@ class EnvironmentEpisodes:
 
     async def stop(self) -> None:
         return None
+
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], source: str) -> None:
+        return None  # a row an environment cannot use fails its own episode (an error record)
 
     async def trajectory(self, row: Mapping[str, Any], session_id: str, temperature: float, first_turn=None, index=0):
         """One trajectory: ([its session], episode). ``first_turn``: the group's ``SharedFirstTurn``,
@@ -128,16 +133,17 @@ class EnvironmentEpisodes:
 
     def decode(self, completion) -> TurnText:
         if completion is None:
-            return TurnText("", "")
+            return TurnText("", "", context_full=True)
         raw = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
         if self.eos and raw.endswith(self.eos):
             raw = raw[: -len(self.eos)]
         return TurnText(self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), raw)
 
     def sample_info(self, episode, parts) -> dict[str, float]:
-        if self.tool_use is None:
-            return {}
-        return {"tool_calls": episode.tool_calls, "tool_errors": len(episode.tool_errors)}
+        info = {f"env/{key}": value for key, value in episode.env_metrics.items()}
+        if self.tool_use is not None:
+            info |= {"tool_calls": episode.tool_calls, "tool_errors": len(episode.tool_errors)}
+        return info
 
     def sample_turns(self, part, episode) -> int:
         return episode.turns
