@@ -197,7 +197,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _task_or_files(self) -> "DataConfig":
-        if (self.task is None) == (self.train is None):
+        if self.task is not None and self.train is not None:
             raise ValueError("set exactly one of data.task or data.train")
         rg = self.reasoning_gym
         is_rg = self.task is not None and self.task.startswith("reasoning_gym:")
@@ -709,6 +709,14 @@ class Recipe(Section):
             raise ValueError("a recipe needs an [sft], an [rl] or a [tinker] section")
         if (self.sft is not None or self.rl is not None) and "data" not in self.model_fields_set:
             raise ValueError("an [sft] or [rl] stage needs a [data] section")
+        if self.data.task is None and self.data.train is None and (self.sft is not None or self.rl is not None):
+            # A verifiers taskset brings its own tasks (backends.rollout.episodes.verifiers.taskset_rows).
+            own_tasks = self.rl is not None and (self.rl.environment or "").startswith("verifiers:")
+            if not own_tasks or self.sft is not None:
+                raise ValueError(
+                    "set exactly one of data.task or data.train (neither: an RL-only recipe whose "
+                    "rl.environment is a verifiers taskset, which brings its own tasks)"
+                )
         if self.model.tokenizer == "char" and self.model.init is None:
             raise ValueError('model.tokenizer = "char" only goes with model.init (a new tiny model)')
         if self.cluster is not None:

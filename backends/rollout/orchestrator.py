@@ -67,6 +67,10 @@ def load_rows(recipe: Recipe) -> tuple[list[dict], list[dict]]:
     from backends.data.files import hold_out
     from backends.data.files import load_rows as read_rows
 
+    if data.train is None:  # a verifiers taskset's own tasks (the schema allows nothing else)
+        from backends.rollout.episodes.verifiers import taskset_rows
+
+        return hold_out(taskset_rows(recipe), data.eval_size, recipe.seed)
     train = read_rows(data.train)
     if data.eval:
         return train, read_rows(data.eval, limit=data.eval_size)

@@ -83,7 +83,7 @@ def test_all_problems_at_once_sorted_by_line(tmp_path):
         MINIMAL.replace("steps = 10", "steps = 0\nwarmup_steps = -1\nlerning_rate = 1").replace('"addition"', '"x"')
     )
     assert problems(path) == [
-        f"{path}:7: data.task: 'x' is not a task: \"addition\", \"reversal\", \"lookup\" or \"reasoning_gym:<dataset name>\"",
+        f'{path}:7: data.task: \'x\' is not a task: "addition", "reversal", "lookup" or "reasoning_gym:<dataset name>"',
         f"{path}:10: sft.steps: Input should be greater than 0 (got 0)",
         f"{path}:11: sft.warmup_steps: Input should be greater than or equal to 0 (got -1)",
         f"{path}:12: sft.lerning_rate: unknown key 'lerning_rate'; did you mean 'learning_rate'?",

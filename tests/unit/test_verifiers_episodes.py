@@ -121,6 +121,25 @@ def test_the_tasksets_own_tasks_as_rows_and_rows_checked_as_task_data(tok):
         runner.check_rows([rows[0], {"prompt": "say hi"}], "training data")
 
 
+def test_an_rl_only_recipe_without_data_trains_on_the_tasksets_own_tasks():
+    from pydantic import ValidationError
+
+    from backends.rollout.orchestrator import load_rows
+
+    own = Recipe.model_validate(
+        tiny_recipe(
+            RL,
+            data={"task": None, "digits": None, "eval_size": 2},
+            rl={"environment": "verifiers:vf_echo", "env_args": CHAT},
+        )
+    )
+    train, held_out = load_rows(own)
+    assert sorted(r["answer"] for r in train + held_out) == ["cat", "dog", "pen", "sun"]
+    for rl, sft in (({"environment": "verifiers:vf_echo"}, {"steps": 1}), ({}, None)):
+        with pytest.raises(ValidationError, match="set exactly one of data.task or data.train"):
+            Recipe.model_validate(tiny_recipe(RL, data={"task": None, "digits": None}, rl=rl, sft=sft))
+
+
 # ------------------------------------------------------------------------------ rollouts
 
 
