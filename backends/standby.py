@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.standby import Job, mark, ready_marker, taken_marker
 
 JOB_POLL_S = 0.05
@@ -109,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, help="the pool's folder (unused: the job names the run's)")
     parser.add_argument("--preload", action="append", default=[], choices=OPTIONAL)
     args = parser.parse_args(argv)
-    from skyrl_contracts.logs import setup_process_logging
 
     setup_process_logging()
     started_in = os.getcwd()
     started = time.monotonic()
     preload([*PRELOAD[args.kind], *args.preload])
     if "TORCHELASTIC_RUN_ID" in os.environ:
+        # lazy: backends.train.engine imports torch; only a learner's ranks (under torchrun) need it
         from backends.train.engine import die_with_launcher
 
         die_with_launcher()  # an idle rank must not outlive a torchrun that was killed

@@ -13,6 +13,7 @@ import sys
 import typer
 
 from skyrl_cli import __version__
+from skyrl_cli.launch.interrupts import Interrupted, stop_signals_raise
 from skyrl_contracts.errors import SkyrlError
 
 COMMAND_MODULES = ("recipes", "completions", "sft", "rl", "quantize", "engines", "bench", "tinker", "runs", "doctor")
@@ -72,8 +73,6 @@ def _is_click_exception(err: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app and map failures to messages and exit codes."""
-    from skyrl_cli.launch.interrupts import Interrupted, stop_signals_raise
-
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         with stop_signals_raise():  # Ctrl-C / SIGTERM / SIGHUP: one behaviour for every command

@@ -23,6 +23,7 @@ fallback path (put it back when ``<name>`` is missing, else delete it).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import json
@@ -115,7 +116,6 @@ _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, err
 def _renameat2():
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes  # lazily: only publishing a directory needs it
 
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
@@ -136,7 +136,6 @@ def exchange(a: PathLike, b: PathLike) -> bool:
         return False
     if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
-    import ctypes
 
     err = ctypes.get_errno()
     if err in _NO_EXCHANGE:

@@ -6,7 +6,9 @@ log record."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import time
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUIET_LOGGERS = ("httpx",)  # one line per request otherwise
@@ -26,8 +28,6 @@ class StartupClock:
     ...)"); ``figures`` the same laps as ``startup/<process>/<lap>_s`` metrics for events.jsonl."""
 
     def __init__(self, process: str):
-        import time
-
         self.process = process
         self.origin = process_created_at()
         self.last = self.origin
@@ -62,9 +62,6 @@ def process_created_at() -> float:
     """This process's creation time (epoch seconds) from Linux's ``/proc``; elsewhere, now. A warm
     process that an engine pool started long before the run counts from its hand-over instead
     (``SKYRL_STARTED_AT``, set in the job's environment: ``skyrl_contracts.standby``)."""
-    import os
-    import time
-
     if os.environ.get("SKYRL_STARTED_AT"):
         return float(os.environ["SKYRL_STARTED_AT"])
     try:

@@ -39,6 +39,7 @@ Light (pydantic and the standard library), so the CLI and every backend can impo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -337,8 +338,6 @@ def recipe_hash(recipe: Recipe) -> str:
     """What every node of a run must agree on: the SHA-256 of the resolved recipe (canonical JSON)
     without ``trainer.node_rank``, the one key that legitimately differs between the nodes of a
     ``trainer.nnodes`` run (first 16 hex digits)."""
-    import hashlib
-
     data = recipe_json(recipe)
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k != "node_rank"}
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -12,6 +12,7 @@ def load_rows(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
     """All rows (or the first ``limit``) of a JSONL file, a parquet file or an HF dataset directory."""
     p = Path(path)
     if p.is_dir():
+        # lazy: datasets (seconds); only a saved-dataset directory needs it
         import datasets
 
         ds = datasets.load_from_disk(str(p))
@@ -39,6 +40,7 @@ def load_rows(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
                     break
         return rows
     if suffix == ".parquet":
+        # lazy: pyarrow; only parquet files need it
         import pyarrow.parquet as pq
 
         rows = pq.read_table(p).to_pylist()

@@ -54,7 +54,7 @@ def is_reasoning_gym(task: str | None) -> bool:
 
 def _package():
     try:
-        import reasoning_gym
+        import reasoning_gym  # lazy: seconds to import, paid by its tasks only
     except ImportError as exc:
         raise UsageError(f"data.task = reasoning_gym:... needs the reasoning-gym package: {INSTALL}") from exc
     return reasoning_gym
@@ -63,7 +63,7 @@ def _package():
 def dataset_names() -> list[str]:
     """Every dataset the installed reasoning-gym registers."""
     _package()
-    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.factory import DATASETS  # lazy: seconds to import, paid by its tasks only
 
     return sorted(DATASETS)
 
@@ -79,14 +79,14 @@ def check_name(name: str, where: str = "data.task") -> None:
 
 
 def _config_class(name: str):
-    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.factory import DATASETS  # lazy: seconds to import, paid by its tasks only
 
     return DATASETS[name][1]
 
 
 def _create(name: str, where: str, **kwargs: Any):
     """``reasoning_gym.create_dataset`` with its option errors said in recipe terms."""
-    from reasoning_gym import create_dataset
+    from reasoning_gym import create_dataset  # lazy: seconds to import, paid by its tasks only
 
     try:
         return create_dataset(name, **kwargs)
@@ -144,7 +144,7 @@ class ReasoningGymSource:
             if name != self.dataset:
                 check_name(name, f"data.reasoning_gym.datasets.{name}")
         if self.options.system_prompt is not None:
-            from reasoning_gym.utils import SYSTEM_PROMPTS
+            from reasoning_gym.utils import SYSTEM_PROMPTS  # lazy: seconds to import, paid by its tasks only
 
             if self.options.system_prompt not in SYSTEM_PROMPTS:
                 raise ValueError(
@@ -155,7 +155,7 @@ class ReasoningGymSource:
     def _generator(self, seed: int, size: int):
         if self.dataset != COMPOSITE:
             return _create(self.dataset, "data.reasoning_gym.config", **self.options.config, seed=seed, size=size)
-        from reasoning_gym.composite import DatasetSpec
+        from reasoning_gym.composite import DatasetSpec  # lazy: seconds to import, paid by its tasks only
 
         specs = [DatasetSpec(name, weight, config) for name, weight, config in self.sources()]
         for spec in specs:  # each dataset's own errors name its table, before the mixture hides them
@@ -171,7 +171,7 @@ class ReasoningGymSource:
         options = {name: config for name, _, config in self.sources()}
         system = None
         if self.options.system_prompt is not None:
-            from reasoning_gym.utils import SYSTEM_PROMPTS
+            from reasoning_gym.utils import SYSTEM_PROMPTS  # lazy: seconds to import, paid by its tasks only
 
             system = SYSTEM_PROMPTS[self.options.system_prompt]
         rows: list[dict[str, Any]] = []
@@ -204,7 +204,7 @@ class ReasoningGymSource:
     def reward(self, response: str, row: dict) -> float:
         """The dataset's ``score_answer`` on the answer in the response's last ``<answer>`` tags;
         0 without them."""
-        from reasoning_gym.utils import extract_answer
+        from reasoning_gym.utils import extract_answer  # lazy: seconds to import, paid by its tasks only
 
         answer = extract_answer(response)
         if answer is None:

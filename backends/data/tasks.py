@@ -22,6 +22,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
+from backends.data.reasoning_gym import ReasoningGymSource
 from skyrl_contracts.schema import DataConfig, ReasoningGymConfig
 
 Split = Literal["train", "eval"]
@@ -217,13 +218,13 @@ class Lookup(Task):
 
     @property
     def environment(self):
-        from backends.rollout.environments import LookupEnvironment
+        from backends.rollout.environments import LookupEnvironment  # lazy: the data layer sits below rollout
 
         return LookupEnvironment
 
     @property
     def tools(self) -> list[dict]:
-        from backends.rollout.environments import LookupEnvironment
+        from backends.rollout.environments import LookupEnvironment  # lazy: the data layer sits below rollout
 
         return LookupEnvironment.tool_schemas()
 
@@ -238,8 +239,6 @@ class ReasoningGym(Task):
 
     @property
     def source(self):
-        from backends.data.reasoning_gym import ReasoningGymSource
-
         return ReasoningGymSource(self.name, self.options)
 
     @property

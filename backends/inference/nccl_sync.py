@@ -47,6 +47,7 @@ from backends.inference.weight_sync import (
     WeightSyncResult,
     sync_transferred,
 )
+from backends.models.tied import tied_head
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,6 @@ def engine_weight_source(module, module_source):
     """vLLM's ``ModuleSource`` over ``module``, plus the head of a tied model under its own name:
     the engines serve tied models untied (``backends.models.tied``), and ``named_parameters`` names
     a shared parameter once, as the embedding. ``module_source``: vLLM's class (imported by the caller)."""
-    from backends.models.tied import tied_head
-
     pair = tied_head(module)
     if pair is None:
         return module_source(module)
@@ -151,6 +150,7 @@ class NcclWeightSync:
         master_port: int,
         transport: httpx.BaseTransport | None = None,
     ):
+        # lazy: vllm (imports torch); the orchestrator imports this module without it
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.nccl_engine import (
             NCCLTrainerInitInfo,
@@ -198,6 +198,7 @@ def nccl_missing() -> str | None:
     """What this process lacks for the NCCL path, or None. Checked first because vLLM asks the
     engines to join the group before it opens the trainer's end: a trainer that fails only then
     leaves the engines waiting in the rendezvous until it times out."""
+    # lazy: torch; the orchestrator imports this module without it
     import torch
     import torch.distributed as tdist
 

@@ -40,6 +40,7 @@ def _enable_amx() -> None:
     them, so doing it at import reaches every process that runs the model.
     """
     try:
+        # lazy: torch, at import (see the docstring); a missing or older torch is tolerated
         import torch
 
         torch.cpu._init_amx()  # False (and harmless) where the CPU has no AMX
@@ -65,6 +66,7 @@ def _limit_idle_spin() -> None:
     if not value:
         return
     try:
+        # lazy: vllm's layout varies by version; a missing module is tolerated
         from vllm.distributed.device_communicators import shm_broadcast
     except ImportError:  # another vLLM layout: keep its defaults
         return
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     _patch_version_lookup()
     if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
         threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watchdog").start()
+    # lazy: vllm (seconds); imported once the parent watchdog runs
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *args]

@@ -23,7 +23,12 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from backends.inference.weight_sync import run_blocking, sync_weights
+from backends.models.tied import save_for_engines
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 
 NOISE = 0.5  # in units of each tensor's own std: far above rounding, small enough to stay a model
@@ -38,8 +43,6 @@ def fixed_sequence(vocab: int, length: int = SEQUENCE_LEN) -> list[int]:
 
 def moved_policy(model, seed: int = 0):
     """``model`` with every floating tensor moved by ``NOISE`` of its std (in place; returns it)."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():  # each shared (tied) parameter once
@@ -51,8 +54,6 @@ def moved_policy(model, seed: int = 0):
 
 def transformers_logprobs(model, ids: list[int]) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1, computed in fp32 on the model's device."""
-    import torch
-
     on = next(model.parameters()).device
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids], device=on)).logits[0].float()
@@ -64,8 +65,6 @@ def engine_logprobs(
     url: str, ids: list[int], model_name: str = SERVED_MODEL_NAME, timeout_s: float = 60.0
 ) -> list[float]:
     """The engine's prompt logprobs of ``ids`` (positions 1..), temperature 1 (no processing)."""
-    import httpx
-
     body = {"model": model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
     response.raise_for_status()
@@ -81,11 +80,6 @@ def gap(engine: list[float], reference: list[float]) -> tuple[float, float]:
 def round_trip(
     engine_url: str, model_dir: Path, scratch: Path, version: str = "sync-check", engine_dtype: str | None = None
 ) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from backends.models.tied import save_for_engines
-
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     moved = moved_policy(model)

@@ -7,16 +7,17 @@ directory (``config.json``, ``model.safetensors``, tokenizer files) that transfo
 
 from __future__ import annotations
 
+import copy
 import os
 
 from backends.models.hf_dir import save_hf  # noqa: F401 - loading's callers save with it too
+from backends.models.tiny import build_tiny_model
+from backends.models.tokenizer import build_char_tokenizer, load_tokenizer
 from skyrl_contracts.schema import ModelConfig
 
 
 def load_tokenizer_for(model_cfg: ModelConfig, alphabet: str | None = None):
     """``"char"``: built from ``alphabet``; ``"auto"``: the model's own; else a local tokenizer path."""
-    from backends.models.tokenizer import build_char_tokenizer, load_tokenizer
-
     if model_cfg.tokenizer == "char":
         if not alphabet:
             raise ValueError('model.tokenizer = "char" needs the data\'s alphabet')
@@ -30,6 +31,7 @@ def load_tokenizer_for(model_cfg: ModelConfig, alphabet: str | None = None):
 
 def torch_dtype(model_cfg: ModelConfig, device: str):
     """The dtype the trainer keeps the module in: bf16 on GPUs by default, fp32 on CPU."""
+    # lazy: torch/transformers; backends.models is imported without them (orchestrator, tied)
     import torch
 
     if model_cfg.dtype == "bfloat16" or (model_cfg.dtype == "auto" and device == "cuda"):
@@ -40,14 +42,14 @@ def torch_dtype(model_cfg: ModelConfig, device: str):
 def load_model(model_cfg: ModelConfig, tokenizer, seed: int, attn_implementation: str = "sdpa"):
     """The policy model in fp32 (DeepSpeed casts it for bf16 training). LoRA is applied separately
     (``backends.models.lora.apply_lora``)."""
+    # lazy: torch/transformers; backends.models is imported without them (orchestrator, tied)
     import torch
 
     if model_cfg.init is not None:
-        from backends.models.tiny import build_tiny_model
-
         model = build_tiny_model(model_cfg.init, tokenizer, seed)
         model.config._attn_implementation = attn_implementation
         return model
+    # lazy: torch/transformers; backends.models is imported without them (orchestrator, tied)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -66,8 +68,7 @@ def plain_copy(model, state_dict=None):
     ZeRO-3's gathered tensors) in the dtype ``save_pretrained`` records, the module's own. Fresh
     layers are plain ``Linear``: a fake-quantized layer (``prepare_qat``) gives its master weights.
     Copies every tensor, so nothing done to the copy reaches ``model``."""
-    import copy
-
+    # lazy: torch/transformers; backends.models is imported without them (orchestrator, tied)
     from transformers.core_model_loading import revert_weight_conversion
 
     state = model.state_dict() if state_dict is None else state_dict
@@ -87,6 +88,7 @@ def plain_copy(model, state_dict=None):
 
 def load_hf(path: str | os.PathLike, dtype=None):
     """A saved model directory back as ``(model, tokenizer)`` (eval mode)."""
+    # lazy: torch/transformers; backends.models is imported without them (orchestrator, tied)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

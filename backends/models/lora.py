@@ -16,6 +16,7 @@ ADAPTER_DIR = "adapter"  # the adapter inside an exported model directory (check
 
 def apply_lora(model, lora: LoraConfig):
     """The model wrapped with trainable LoRA adapters; base weights are frozen."""
+    # lazy: peft; only LoRA runs import it (the standby pool preloads it on demand)
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 

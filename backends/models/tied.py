@@ -25,6 +25,7 @@ keep the user's tied layout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -32,6 +33,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.models.loading import save_hf
+from skyrl_contracts.atomic import publish_dir
 from skyrl_contracts.logs import setup_process_logging
 
 HEAD_SHARD = "untied-head.safetensors"  # the explicit head beside the model's own shards
@@ -77,6 +80,7 @@ def config_ties(config: dict) -> bool:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     if "tie_word_embeddings" in text:
         return bool(text["tie_word_embeddings"])
+    # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
     from transformers import AutoConfig
 
     return bool(getattr(AutoConfig.for_model(**config).get_text_config(), "tie_word_embeddings", False))
@@ -95,6 +99,7 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
     index = model_dir / INDEX
     if index.is_file():
         return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
     from safetensors import safe_open
 
     with safe_open(str(model_dir / SINGLE_FILE), framework="pt") as shard:
@@ -107,6 +112,7 @@ def add_explicit_head(model_dir: str | os.PathLike, pair: TiedHead, weight) -> N
     model, whose file becomes ``BODY_SHARD``, so transformers and vLLM both read every shard), and
     ``tie_word_embeddings = false``.
     Writes into ``model_dir``; callers publish the directory whole."""
+    # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
     from safetensors.torch import save_file
 
     out = Path(model_dir)
@@ -134,9 +140,8 @@ def save_for_engines(model, tokenizer, out_dir: str | os.PathLike, state_dict=No
     what it loads into its parameters with the same rounding (``Tensor.copy_``), so the engine ends
     with the same weights, from half the bytes of an fp32 learner's version for bf16 engines, and
     without vLLM's warning per tensor per sync that the dtypes differ."""
-    from backends.models.loading import save_hf
-
     if dtype is not None:
+        # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
         import torch
 
         state_dict = in_dtype(model.state_dict() if state_dict is None else state_dict, getattr(torch, dtype))
@@ -164,6 +169,7 @@ def in_dtype(state_dict: dict, dtype) -> dict:
 
 def _pair_from_config(model_dir: Path) -> TiedHead:
     """The tied pair's names of a saved model, from its architecture built on the meta device."""
+    # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -180,9 +186,8 @@ def write_untied_copy(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
     """What the engines start from, rebuilt at every launch: ``dst`` holds links to ``src``'s files;
     for a tied model also its own ``config.json`` and index and the head as one more shard (the
     weights are not copied). Built beside ``dst`` and published whole. True when the model is tied."""
+    # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
     from safetensors import safe_open
-
-    from skyrl_contracts.atomic import publish_dir
 
     src, dst = Path(src).resolve(), Path(dst)
     tied = config_ties(json.loads((src / "config.json").read_text(encoding="utf-8")))
@@ -207,7 +212,6 @@ def write_untied_copy(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
 def main(argv: list[str] | None = None) -> None:
     """``python -m backends.models.tied --src MODEL --out DIR``: the RL stage's setup job."""
     setup_process_logging()
-    import argparse
 
     parser = argparse.ArgumentParser(prog="python -m backends.models.tied", description=main.__doc__)
     parser.add_argument("--src", required=True, type=Path, help="HF model directory of the initial policy")

@@ -3,6 +3,11 @@ head), built from the recipe's ``model.init``."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
+from backends.models.hf_dir import save_hf
+from backends.models.tokenizer import build_char_tokenizer
 from skyrl_contracts.schema import TinyModelInit
 
 VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of this (aligned matmuls, any engine accepts it)
@@ -16,6 +21,7 @@ def padded_vocab_size(n_tokens: int, multiple: int = VOCAB_MULTIPLE) -> int:
 
 
 def tiny_config(init: TinyModelInit, tokenizer):
+    # lazy: transformers/torch; backends.models.loading imports this module without them
     import transformers
 
     config_class = getattr(transformers, CONFIG_CLASSES[init.arch])
@@ -43,6 +49,7 @@ def tiny_config(init: TinyModelInit, tokenizer):
 
 def build_tiny_model(init: TinyModelInit, tokenizer, seed: int):
     """Random-init causal LM of ``init.arch``; the same ``seed`` gives the same weights on every rank."""
+    # lazy: transformers/torch; backends.models.loading imports this module without them
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -64,12 +71,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m backends.models.tiny --init JSON --alphabet CHARS --out DIR [--seed N]``: build a tiny
     model with a character tokenizer of ``CHARS`` and save it as an HF directory (the driver's way to
     get one without importing torch). Prints ``{"model_dir", "alphabet_ids"}`` as its last line."""
-    import argparse
-    import json
-
-    from backends.models.hf_dir import save_hf
-    from backends.models.tokenizer import build_char_tokenizer
-
     parser = argparse.ArgumentParser(prog="python -m backends.models.tiny", description=main.__doc__.splitlines()[0])
     parser.add_argument("--init", required=True, help="model.init as JSON")
     parser.add_argument("--alphabet", required=True, help="the tokenizer's characters")

@@ -55,6 +55,7 @@ CHAR_CHAT_TEMPLATE = (
 def build_char_tokenizer(alphabet: Iterable[str]):
     """A ``PreTrainedTokenizerFast`` with one token per character of ``alphabet`` plus the special
     tokens (ids 0..6: pad, bos, eos, unk, system, user, assistant markers)."""
+    # lazy: tokenizers/transformers (imports torch); the orchestrator imports this module before its tokenizer lap
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -97,8 +98,10 @@ def saved_tokenizer_class(path: str) -> str | None:
 def load_tokenizer(path: str):
     """A local HF tokenizer; a missing pad token falls back to eos (needed for batched generation)."""
     if saved_tokenizer_class(path) in GENERIC_FAST_CLASSES and (Path(path) / "tokenizer.json").is_file():
+        # lazy: transformers (imports torch); the orchestrator imports this module before its tokenizer lap
         from transformers import PreTrainedTokenizerFast as loader
     else:
+        # lazy: transformers (imports torch); the orchestrator imports this module before its tokenizer lap
         from transformers import AutoTokenizer as loader
 
     tokenizer = loader.from_pretrained(path)

@@ -26,7 +26,11 @@ from pathlib import Path
 
 import torch
 
+from backends.models.loading import plain_copy
+from backends.models.tied import add_explicit_head, tied_head
+from backends.quant.fake_quant import int4_codes, quantize_rtn
 from skyrl_contracts.atomic import publish_dir
+from skyrl_contracts.events import EventWriter
 from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import QuantizationConfig
@@ -61,6 +65,7 @@ def w4a16_config(group_size: int | str, ignore: list[str]):
     """compressed-tensors' description of the export: int4 symmetric weights, per group of
     ``group_size`` input columns or per output row (``"channel"``), of every Linear layer not in
     ``ignore``; no activation quantization (W4A16)."""
+    # lazy: compressed_tensors; only int4 exports use it
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization import QuantizationConfig as CompressionConfig
 
@@ -100,6 +105,7 @@ def _set_scales(model: torch.nn.Module, codes: dict[str, tuple[torch.Tensor, tor
 
 
 def _check_packed(state: dict[str, torch.Tensor], codes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # lazy: compressed_tensors; only int4 exports use it
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     for name, (qdata, scale) in codes.items():
@@ -112,6 +118,7 @@ def _compress(compressor, model: torch.nn.Module) -> None:
     """``compressor.compress_model`` without its multi-rank path: compressed-tensors splits the
     layers over the ranks whenever a process group exists, but a trainer's rank 0 exports alone
     (the other ranks have finished), and its broadcast to them failed."""
+    # lazy: compressed_tensors; only int4 exports use it
     from compressed_tensors.compressors.base import compress_module
     from compressed_tensors.quantization import QuantizationStatus
     from compressed_tensors.quantization.utils.helpers import is_module_quantized
@@ -125,10 +132,9 @@ def _compress(compressor, model: torch.nn.Module) -> None:
 def export_w4a16(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> ExportReport:
     """Write a torchao-converted model (``fake_quant.convert_qat`` / ``quantize_rtn``) to ``out_dir``
     as a compressed-tensors W4A16 checkpoint. Consumes ``model`` (its layers are compressed in place)."""
+    # lazy: compressed_tensors; only int4 exports use it
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
-
-    from backends.quant.fake_quant import int4_codes
 
     codes = int4_codes(model)
     if not codes:
@@ -156,9 +162,6 @@ def _round_and_export(
     consumes ``model``. ``for_engines`` (RL with INT4 rollouts): a tied head is written out, full
     precision like the embedding, as the engines serve it (``backends.models.tied``); a user's export
     keeps the tie."""
-    from backends.models.tied import add_explicit_head, tied_head
-    from backends.quant.fake_quant import quantize_rtn
-
     pair = tied_head(model) if for_engines else None
     embedding = model.get_input_embeddings().weight.detach().clone() if pair else None  # the export consumes the model
     quantize_rtn(model, cfg)
@@ -175,6 +178,7 @@ def export_rtn(
     """Round-to-nearest int4 of the HF model in ``src_dir`` (kept in its saved dtype) as W4A16 in
     ``out_dir`` (``for_engines``: see ``_round_and_export``). For a model trained under fake-quant
     these are the codes it trained with."""
+    # lazy: transformers; the learner imports this module (train.common) before its "imports" lap
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype="auto").eval()
@@ -200,8 +204,6 @@ def export_version(model, tokenizer, out_dir: Path, cfg: QuantizationConfig, sta
     memory: a plain copy on the CPU (``plain_copy``), never a full-precision directory on disk.
     Round-to-nearest of the master weights: under fake-quant (int4_qat) exactly the codes the
     learner trained with. The report has no ``source_bytes``: no full-precision files exist."""
-    from backends.models.loading import plain_copy
-
     return _round_and_export(plain_copy(model, state_dict), tokenizer, out_dir, cfg, for_engines=True)
 
 
@@ -223,7 +225,6 @@ def export_after_training(run_dir: str | Path, cfg: QuantizationConfig | None, d
 
 def main(argv: list[str] | None = None) -> None:
     setup_process_logging()
-    from skyrl_contracts.events import EventWriter
 
     parser = argparse.ArgumentParser(prog="python -m backends.quant.export", description="INT4 PTQ export (W4A16).")
     parser.add_argument("--run-dir", required=True, type=Path)

@@ -42,6 +42,7 @@ def check_layers(layers: dict[str, torch.nn.Linear], cfg: QuantizationConfig) ->
 def weight_config(group_size: int | str):
     """torchao's int4 weight-only config: ``PerGroup(g)``, or ``PerAxis(0)`` (one scale per output
     row) for ``"channel"``."""
+    # lazy: torchao; only quantized runs use it (the standby pool preloads it on demand)
     from torchao.quantization import IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
 
@@ -50,6 +51,7 @@ def weight_config(group_size: int | str):
 
 
 def _quantize(model: torch.nn.Module, cfg: QuantizationConfig, config) -> list[str]:
+    # lazy: torchao; only quantized runs use it (the standby pool preloads it on demand)
     from torchao.quantization import quantize_
 
     layers = target_layers(model, cfg)
@@ -62,6 +64,7 @@ def _quantize(model: torch.nn.Module, cfg: QuantizationConfig, config) -> list[s
 def prepare_qat(model: torch.nn.Module, cfg: QuantizationConfig) -> list[str]:
     """Swap the target layers for fake-quantized ones in place (before the optimizer is built);
     returns their names."""
+    # lazy: torchao; only quantized runs use it (the standby pool preloads it on demand)
     from torchao.quantization.qat import QATConfig
 
     return _quantize(model, cfg, QATConfig(weight_config(cfg.group_size), step="prepare"))
@@ -69,6 +72,7 @@ def prepare_qat(model: torch.nn.Module, cfg: QuantizationConfig) -> list[str]:
 
 def convert_qat(model: torch.nn.Module, cfg: QuantizationConfig) -> list[str]:
     """A ``prepare_qat`` model to real int4 weights (torchao ``IntxUnpackedToInt8Tensor``), in place."""
+    # lazy: torchao; only quantized runs use it (the standby pool preloads it on demand)
     from torchao.quantization.qat import QATConfig
     from torchao.quantization.qat.linear import FakeQuantizedLinear
 
@@ -98,6 +102,7 @@ def granularity_name(group_size: int | str) -> str:
 
 def int4_codes(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{layer: (codes int8 [out, in], scales [out, in / group])}`` of a converted model."""
+    # lazy: torchao; only quantized runs use it (the standby pool preloads it on demand)
     from torchao.quantization import IntxUnpackedToInt8Tensor
 
     found = {}
@@ -112,6 +117,7 @@ def int4_codes(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Te
 
 def fake_quant_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The scales each fake-quantized layer used in its last forward (torchao keeps them)."""
+    # lazy: torchao; only quantized runs use it (the standby pool preloads it on demand)
     from torchao.quantization.qat.linear import FakeQuantizedLinear
 
     return {

@@ -43,9 +43,17 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import httpx
-from fastapi import Request  # at module level: FastAPI resolves the handler's annotations in these globals
+import uvicorn
+from fastapi import (
+    FastAPI,
+    Request,  # at module level: FastAPI resolves the handler's annotations in these globals
+)
+from fastapi.responses import JSONResponse
 
+from backends.data.chat import encode_text, render
+from backends.rollout.rewards import CallOutcome, GuardedCaller, as_reward
 from backends.rollout.session import RolloutSession
+from skyrl_contracts.ports import find_free_ports
 
 log = logging.getLogger("skyrl.agents")
 
@@ -136,6 +144,7 @@ class AgentEndpoint:
         client retries engine failures itself). It is built on the endpoint's shared in-process
         HTTP client: about 0.1 ms, where a new ``AsyncOpenAI`` of its own (a connection pool and
         an SSL context, even for an http URL) costs 20-40 ms of the orchestrator's CPU."""
+        # lazy: openai (1.4 s); imported on an agent's first call, not at the orchestrator's start
         from openai import AsyncOpenAI
 
         kwargs.setdefault("http_client", self.http_client)
@@ -175,10 +184,6 @@ class AgentServer:
     # -------------------------------------------------------------- lifetime
 
     async def start(self) -> None:
-        import uvicorn
-
-        from skyrl_contracts.ports import find_free_ports
-
         for noisy in ("httpx", "httpx2", "openai"):  # an agent's client logs every request at INFO
             logging.getLogger(noisy).setLevel(logging.WARNING)
         (self.port,) = find_free_ports(1)
@@ -220,9 +225,6 @@ class AgentServer:
     # -------------------------------------------------------------- HTTP
 
     def app(self):
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse
-
         app = FastAPI(title="skyrl agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
         def error(status: int, message: str, kind: str) -> JSONResponse:
@@ -325,8 +327,6 @@ class AgentServer:
         return turn
 
     def encode(self, trajectory: AgentTrajectory, request: "ChatRequest") -> tuple[str, list[int]]:
-        from backends.data.chat import encode_text, render
-
         try:
             text = render(self.tokenizer, request.messages, add_generation_prompt=True, tools=request.tools)
         except Exception as exc:  # noqa: BLE001 - jinja errors on odd messages are the request's fault
@@ -536,8 +536,6 @@ class AgentOutcome:
 async def run_agent(agent, row: Mapping[str, Any], endpoint: AgentEndpoint, timeout_s: float) -> AgentOutcome:
     """One agent run under ``timeout_s``; an agent that raises, hangs or returns no number is an
     error outcome (reward 0), never an exception."""
-    from backends.rollout.rewards import CallOutcome, GuardedCaller, as_reward
-
     called = await GuardedCaller(timeout_s, timeout_key="rl.agent_timeout_s").acall(agent, dict(row), endpoint)
     if called.error:
         return AgentOutcome(error=f"agent: {called.error}")

@@ -36,6 +36,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from backends.data.chat import split_reference, to_messages
+from backends.rollout.tools import as_tool
+
 from .rewards import GuardedCaller, RewardFn, as_reward, math_reward
 from .tools import ToolCall, ToolResult, as_tools, call_tool, tool_message
 
@@ -96,8 +99,6 @@ def prompt_and_answer(row: Mapping[str, Any], fmt: str = "auto") -> tuple[Messag
     Accepted rows: ``{"prompt": str | messages, "answer": ...}``, ``prompt``/``completion``
     (the completion is the reference unless ``answer`` is given), or ``messages`` (everything
     before the last assistant turn is the prompt, that turn the reference)."""
-    from backends.data.chat import split_reference, to_messages
-
     answer = row.get("answer")
     answer = None if answer is None else str(answer)
     if "messages" not in row and "completion" not in row:
@@ -159,8 +160,6 @@ class LookupEnvironment(Environment):
 
     @classmethod
     def tool_schemas(cls) -> list[dict]:
-        from backends.rollout.tools import as_tool
-
         return [as_tool(cls.lookup).schema]
 
 

@@ -36,7 +36,13 @@ import sys
 from pathlib import Path
 from typing import Any, AsyncContextManager, Callable, Mapping, Sequence
 
+from backends.data.files import hold_out
+from backends.data.files import load_rows as read_files
+from backends.data.tasks import task_for
+from backends.inference.transports import transport_module
+from backends.models.tokenizer import load_tokenizer
 from backends.rollout.buffer import AsyncGroupBuffer, PromptSampler
+from backends.rollout.client import RolloutClient
 from backends.rollout.engine_sync import EngineSync
 from backends.rollout.episodes import episode_runner
 from backends.rollout.evaluation import Evaluation
@@ -46,9 +52,11 @@ from skyrl_contracts.atomic import write_json
 from skyrl_contracts.episodes import turn_problems
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.events import EventWriter
+from skyrl_contracts.exchange import RunExchange, StopRequested
 from skyrl_contracts.logs import StartupClock, setup_process_logging
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
+from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
 PROCESS_NAME = "orchestrator"
 log = logging.getLogger("skyrl.orchestrator")
@@ -58,22 +66,17 @@ def load_rows(recipe: Recipe) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows for the environment (built-in task rows or file rows)."""
     data = recipe.data
     if data.task is not None:
-        from backends.data.tasks import task_for
-
         task = task_for(data)
         return task.make_rows(recipe.seed, data.train_size, "train"), task.make_rows(
             recipe.seed, data.eval_size, "eval"
         )
-    from backends.data.files import hold_out
-    from backends.data.files import load_rows as read_rows
-
     if data.train is None:  # a verifiers taskset's own tasks (the schema allows nothing else)
-        from backends.rollout.episodes.verifiers import taskset_rows
+        from backends.rollout.episodes.verifiers import taskset_rows  # lazy: verifiers, an optional extra
 
         return hold_out(taskset_rows(recipe), data.eval_size, recipe.seed)
-    train = read_rows(data.train)
+    train = read_files(data.train)
     if data.eval:
-        return train, read_rows(data.eval, limit=data.eval_size)
+        return train, read_files(data.eval, limit=data.eval_size)
     return hold_out(train, data.eval_size, recipe.seed)  # the SFT stage's held-out rows, not trained on
 
 
@@ -235,10 +238,6 @@ def build_orchestrator(
 ) -> Orchestrator:
     """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner;
     ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``)."""
-    from backends.models.tokenizer import load_tokenizer
-    from backends.rollout.client import RolloutClient
-    from skyrl_contracts.exchange import RunExchange
-
     paths = RunDir(run_dir)
     recipe = paths.read_recipe()
     orchestrator = Orchestrator(
@@ -258,15 +257,10 @@ def build_orchestrator(
 
 def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
     """The engines' weight loader for the plan's transport (its module's engine side)."""
-    from backends.inference.transports import transport_module
-
     return transport_module(weight_sync).engine_loader(recipe, run_dir, engine_urls)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from skyrl_contracts.exchange import RunExchange, StopRequested
-    from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORT_NAMES
-
     parser = argparse.ArgumentParser(
         prog="python -m backends.rollout.orchestrator", description=__doc__.splitlines()[0]
     )

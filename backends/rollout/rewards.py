@@ -132,6 +132,7 @@ def math_reward(response: str, answer: str) -> float:
 
     math-verify's own timeouts use ``signal.alarm`` (main thread only); they are switched off here
     because every reward call already runs under ``GuardedCaller``'s timeout in a worker thread."""
+    # lazy: math_verify (sympy, slow); only math rewards use it
     from math_verify import parse, verify
 
     gold = parse(str(answer), parsing_timeout=None)

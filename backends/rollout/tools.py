@@ -24,7 +24,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
+
+from backends.rollout.rewards import GuardedCaller
 
 # Text that shows a turn meant to call a tool in a parser's format: a turn with it that the parser
 # cannot read is a malformed call, one without it is an answer.
@@ -59,6 +62,7 @@ def as_tool(spec: Callable[..., Any] | Mapping[str, Any] | Tool) -> Tool:
         return Tool(name, schema)
     if not callable(spec):
         raise ValueError(f"a tool is a function or a JSON schema dict, got {type(spec).__name__}")
+    # lazy: transformers (imports torch: seconds); only function tools need it
     from transformers.utils import get_json_schema
 
     try:
@@ -122,8 +126,10 @@ class ToolCallParser:
 
     def __init__(self, name: str, tokenizer):
         try:
+            # lazy: vllm (imports torch: seconds); on first use, see the docstring
             from vllm.tool_parsers import ToolParserManager
         except ImportError:  # older vLLM versions keep them under the OpenAI server
+            # lazy: vllm (imports torch: seconds); on first use, see the docstring
             from vllm.entrypoints.openai.tool_parsers import ToolParserManager
 
         try:
@@ -139,12 +145,11 @@ class ToolCallParser:
         """The request object vLLM's parsers take; they read nothing of it for whole turns but its tools."""
         if self._request is None:
             try:  # where vLLM 0.32 keeps it; other versions move it
+                # lazy: vllm (imports torch: seconds); on first use, see the docstring
                 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
                 self._request = ChatCompletionRequest(model="policy", messages=[])
             except ImportError:
-                from types import SimpleNamespace
-
                 self._request = SimpleNamespace(tools=None, tool_choice="auto", skip_special_tokens=False)
         return self._request
 
@@ -202,7 +207,6 @@ async def call_tool(
 ) -> ToolResult:
     """Run one call under ``timeout_s`` (``GuardedCaller``: sync tools in a daemon thread, async ones
     on the event loop); ``fallback(name, arguments)`` answers tools declared by schema only."""
-    from backends.rollout.rewards import GuardedCaller
 
     def failed(error: str) -> ToolResult:
         return ToolResult(call, f"error: {error}", error)

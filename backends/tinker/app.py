@@ -29,6 +29,7 @@ from backends.tinker import (
     routes_unsupported,
 )
 from backends.tinker.routes_common import UNLOAD_SEQ, ApiContext, HttpError
+from backends.tinker.sampling import Sampler
 from backends.tinker.service import TinkerService
 
 __all__ = ["UNLOAD_SEQ", "HttpError", "create_app"]
@@ -44,8 +45,6 @@ async def _lifespan(app: FastAPI):
     service, cfg = ctx.service, ctx.cfg
     service.notifier.loop = asyncio.get_running_loop()
     if cfg.sample_url and service.sampler is None:
-        from backends.tinker.sampling import Sampler
-
         service.sampler = Sampler(cfg.sample_url, cfg.engine_urls)
     reaper = asyncio.get_running_loop().create_task(routes_session.reap_sessions(ctx))
     try:

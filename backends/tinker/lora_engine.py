@@ -32,7 +32,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from peft import LoraConfig as PeftLoraConfig
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from backends.tinker.losses import datum_loss
 
@@ -134,8 +138,6 @@ class LoraEngine:
         max_batch_tokens: int = 32768,
         device: str | None = None,
     ):
-        from transformers import AutoModelForCausalLM
-
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = str(model_dir)
         self.max_rank = max_rank
@@ -312,9 +314,6 @@ class LoraEngine:
 
     def save(self, model_id: str, out_dir: str | os.PathLike, with_optimizer: bool) -> Path:
         """A PEFT adapter directory (plus ``optimizer.pt`` when ``with_optimizer``)."""
-        from peft import LoraConfig as PeftLoraConfig
-        from safetensors.torch import save_file
-
         adapter = self.adapter(model_id)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -343,9 +342,6 @@ class LoraEngine:
 
     def load(self, model_id: str, ckpt_dir: str | os.PathLike, with_optimizer: bool) -> Adapter:
         """Create (or replace) ``model_id``'s adapter from a PEFT directory written by ``save``."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         ckpt = Path(ckpt_dir)
         try:
             config = json.loads((ckpt / "adapter_config.json").read_text())

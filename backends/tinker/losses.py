@@ -36,6 +36,7 @@ class LossSpec:
 
 
 def _ratio(logprobs, inputs):
+    # lazy: torch; the HTTP routes (routes_training) import this module without it
     import torch
 
     return torch.exp(logprobs - inputs["logprobs"])
@@ -48,6 +49,7 @@ def _bounds(inputs, config):
 
 
 def _clamp(x, low, high):
+    # lazy: torch; the HTTP routes (routes_training) import this module without it
     import torch
 
     low_t = low if isinstance(low, torch.Tensor) else torch.full_like(x, float(low))
@@ -56,6 +58,7 @@ def _clamp(x, low, high):
 
 
 def cross_entropy(logprobs, inputs, config):
+    # lazy: torch; the HTTP routes (routes_training) import this module without it
     import torch
 
     weights = inputs.get("weights")
@@ -69,6 +72,7 @@ def importance_sampling(logprobs, inputs, config):
 
 
 def ppo(logprobs, inputs, config):
+    # lazy: torch; the HTTP routes (routes_training) import this module without it
     import torch
 
     ratio = _ratio(logprobs, inputs)

@@ -19,6 +19,8 @@ from backends.tinker.routes_common import (
     future_response,
     refuse_if,
 )
+from backends.tinker.sampling import SampleJob, SamplingError, adapter_name
+from backends.tinker.wire import encode_sample_response
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -65,7 +67,6 @@ def _engine_model(ctx: ApiContext, who: str, model_path: str | None) -> tuple[st
     """(the adapter directory or None, the model name the engines know it by)."""
     if model_path is None:
         return None, ctx.cfg.served_base_name
-    from backends.tinker.sampling import adapter_name
 
     with checkpoint_errors():
         row = ctx.service.checkpoints.row(who, model_path)
@@ -100,7 +101,6 @@ async def asample(request: Request, ctx: Ctx):
     model_path, dedup = _sampling_target(ctx, who, req)
     adapter_dir, model_name = _engine_model(ctx, who, model_path)
     prompt, max_tokens = _prompt_and_max_tokens(ctx, req)
-    from backends.tinker.sampling import SampleJob
 
     sp = req.sampling_params
     job = SampleJob(
@@ -123,9 +123,6 @@ async def asample(request: Request, ctx: Ctx):
 
 
 async def _run_sample(ctx: ApiContext, rid: int, job) -> None:
-    from backends.tinker.sampling import SamplingError
-    from backends.tinker.wire import encode_sample_response
-
     service = ctx.service
     try:
         sequences, prompt_logprobs = await service.sampler.sample(job)

@@ -15,12 +15,14 @@ import os
 import sys
 from pathlib import Path
 
+import uvicorn
+
+from backends.tinker.app import create_app
+from backends.tinker.service import ServerConfig, TinkerService
 from skyrl_contracts.logs import setup_process_logging
 
 
 def load_config(path: str):
-    from backends.tinker.service import ServerConfig
-
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
     host, port = raw.pop("host", "127.0.0.1"), int(raw.pop("port", 8000))
     keys = set(raw.pop("api_keys", []))
@@ -43,11 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_process_logging()
     config, host, port = load_config(args.config)
-
-    import uvicorn
-
-    from backends.tinker.app import create_app
-    from backends.tinker.service import TinkerService
 
     service = TinkerService(config)
     service.start()

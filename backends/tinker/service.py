@@ -308,6 +308,7 @@ class JobScheduler(threading.Thread):
             self.store.set_model_state(job.model_id, "failed")
 
     def _forward_backward(self, jobs: list[Job]) -> None:
+        # lazy: lora_engine imports torch; the service is imported without it (HTTP side, fake-engine tests)
         from backends.tinker.lora_engine import DatumIn, EngineError, WorkItem
 
         runnable, items = [], []
@@ -346,6 +347,7 @@ class JobScheduler(threading.Thread):
             self.store.touch_model(job.model_id)
 
     def _create_model(self, job: Job) -> dict:
+        # lazy: lora_engine imports torch; the service is imported without it (HTTP side, fake-engine tests)
         from backends.tinker.lora_engine import LoraEngine
 
         req: P.CreateModelRequest = job.body
@@ -433,6 +435,7 @@ class TinkerService:
         return self.scheduler.vocab_size
 
     def _default_engine(self):
+        # lazy: lora_engine imports torch; the service is imported without it (HTTP side, fake-engine tests)
         from backends.tinker.lora_engine import LoraEngine
 
         return LoraEngine(

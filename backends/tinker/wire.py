@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 FLOAT_INPUTS = ("weights", "logprobs", "advantages", "clip_low_threshold", "clip_high_threshold")
@@ -25,6 +27,7 @@ class WireError(ValueError):
 
 
 def _pb():
+    # lazy: tinker SDK (3.7 s); only the protobuf wire format needs it
     from tinker.proto import tinker_public_pb2
 
     return tinker_public_pb2
@@ -75,8 +78,6 @@ def _unzstd(body: bytes, max_bytes: int) -> bytes:
     """Every frame of a zstd body, decompressed a step at a time: a bomb is stopped as soon as it
     passes ``max_bytes`` (not once it has expanded); a cut-off frame or junk after one is an error
     (``stream_reader`` read only the first frame and took a truncated one as a shorter body)."""
-    import zstandard
-
     too_big = WireError(f"request body over the limit of {max_bytes} bytes (tinker.max_request_bytes)", 413)
     dctx = zstandard.ZstdDecompressor()
     view, pos, parts, size = memoryview(body), 0, [], 0
@@ -155,8 +156,6 @@ def decode_forward_backward(
     body: bytes, *, max_datums: int, max_tokens: int | None, vocab_size: int
 ) -> ForwardBackward:
     """Parse and check a ``ForwardBackwardRequest``; every datum's inputs match its length."""
-    from google.protobuf.message import DecodeError
-
     msg = _pb().ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)

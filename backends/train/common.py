@@ -7,6 +7,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from backends.models.loading import save_hf
+from backends.models.lora import ADAPTER_DIR, is_peft, merged_copy, save_adapter
+from backends.models.tied import save_for_engines
+from backends.quant.export import export_version
 from skyrl_contracts.events import EventWriter
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
@@ -47,9 +51,6 @@ class HFExporter:
         return self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
 
     def __call__(self, out_dir: Path) -> None:
-        from backends.models.loading import save_hf
-        from backends.models.lora import ADAPTER_DIR, is_peft, merged_copy, save_adapter
-
         state_dict = self._gathered()
         if not self.dist.is_main:
             return
@@ -67,8 +68,6 @@ class HFExporter:
         """One policy version for the engines to reload: the HF model with a tied head written out
         (``backends.models.tied``: the engines serve tied models untied), in the engines' dtype.
         Collective under ZeRO-3."""
-        from backends.models.tied import save_for_engines
-
         state_dict = self._gathered()
         if self.dist.is_main:
             save_for_engines(
@@ -79,15 +78,11 @@ class HFExporter:
         """One policy version for INT4 rollouts: the W4A16 export of the model, rounded in memory
         on rank 0 (``backends.quant.export.export_version``). Collective under ZeRO-3: the other
         ranks join the gather (``out_dir`` None there)."""
-        from backends.quant.export import export_version
-
         state_dict = self._gathered()
         if self.dist.is_main:
             export_version(self.engine.module, self.tokenizer, out_dir, cfg, state_dict=state_dict)
 
     def adapter(self, out_dir: Path) -> None:
         """The PEFT adapter alone (adapter_config.json + adapter_model.safetensors), rank 0."""
-        from backends.models.lora import save_adapter
-
         if self.dist.is_main:
             save_adapter(self.engine.module, out_dir)

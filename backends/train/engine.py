@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import signal
 import sys
@@ -19,8 +21,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from backends.train.microbatch import MicroBatch, token_nll_sum
+from skyrl_contracts.ports import find_free_ports
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,6 @@ def die_with_launcher() -> None:
     reaches them, and a torchrun killed outright (SIGKILL, OOM) would leave its ranks training on."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:  # it died before the request: nothing would send the signal
@@ -56,6 +59,7 @@ def die_with_launcher() -> None:
 
 def init_distributed(preference: str = "auto") -> Dist:
     """Join the torchrun process group (a plain ``python`` run is a world of one)."""
+    # lazy: deepspeed (logs on import); the learner's "imports" lap imports it, not this module
     import deepspeed
 
     die_with_launcher()
@@ -63,8 +67,6 @@ def init_distributed(preference: str = "auto") -> Dist:
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
     if "MASTER_PORT" not in os.environ:
-        from skyrl_contracts.ports import find_free_ports
-
         os.environ["MASTER_PORT"] = str(find_free_ports(1)[0])
     deepspeed.init_distributed(dist_backend="nccl" if kind == "cuda" else "gloo", verbose=False)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -90,8 +92,6 @@ def leave_distributed(completed: bool) -> None:
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     if completed:
-        import logging
-
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -127,6 +127,7 @@ def make_engine(
     betas: tuple[float, float] = (0.9, 0.999),
 ):
     """``deepspeed.initialize`` with a torch AdamW over the trainable parameters and a LambdaLR."""
+    # lazy: deepspeed (logs on import); the learner's "imports" lap imports it, not this module
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -142,8 +143,6 @@ def make_engine(
 
 def all_reduce_sum(values: Sequence[float], device) -> list[float]:
     """Sum of each value over all ranks (one collective for the whole list)."""
-    import torch.distributed as dist
-
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
@@ -152,8 +151,6 @@ def all_reduce_sum(values: Sequence[float], device) -> list[float]:
 
 def all_gather_list(items: list) -> list:
     """Every rank's list, concatenated in rank order (the same result on all ranks)."""
-    import torch.distributed as dist
-
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return list(items)
     parts: list = [None] * dist.get_world_size()

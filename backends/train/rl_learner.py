@@ -39,14 +39,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as tdist
 
+from backends.inference.nccl_sync import NcclPublisher, open_weight_syncer
+from backends.models.loading import torch_dtype
+from backends.models.lora import apply_lora
+from backends.models.tokenizer import load_tokenizer
+from backends.quant.fake_quant import maybe_prepare_qat
+from backends.train.checkpoint import load_checkpoint, remove_leftovers, save_checkpoint
 from backends.train.common import HFExporter, load_recipe, open_events, say
+from backends.train.engine import grad_norm, init_distributed, leave_distributed, make_engine
+from backends.train.publish import weight_publisher
 from backends.train.rl.step import RLStep
+from backends.train.schedule import schedule
 from skyrl_contracts.episodes import turn_limit
-from skyrl_contracts.exchange import RunExchange
+from skyrl_contracts.exchange import RunExchange, StopRequested
 from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, SyncGapCheck, sync_gap_floor, sync_gap_message
 from skyrl_contracts.logs import StartupClock, setup_process_logging
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.samples import Sample
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORT_NAMES, TRANSPORTS
 
 BATCH_TIMEOUT_S = 3600.0
@@ -86,11 +97,9 @@ class Learner:
         """The process group, the run's events and exchange, and the tokenizer."""
         # deepspeed and transformers are imported here, not at module level: their import is most
         # of a learner's start-up, which the startup clock's "imports" lap reports
+        # lazy: deepspeed, transformers; timed by the startup clock's "imports" lap
         import deepspeed
         import transformers  # noqa: F401 - inside the "imports" lap, as deepspeed
-
-        from backends.models.tokenizer import load_tokenizer
-        from backends.train.engine import init_distributed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.startup.lap("imports")
@@ -104,10 +113,8 @@ class Learner:
     def _policy_and_reference(self, init_from: Path):
         """The policy to train (QAT-prepared, with its LoRA adapter) and, for a KL term without
         LoRA, a frozen reference copy (with LoRA the reference is the policy, adapter disabled)."""
+        # lazy: transformers; imported in the startup clock's "imports" lap, not at module import
         from transformers import AutoModelForCausalLM
-
-        from backends.models.loading import torch_dtype
-        from backends.quant.fake_quant import maybe_prepare_qat
 
         recipe = self.recipe
         torch.manual_seed(recipe.seed)
@@ -133,9 +140,6 @@ class Learner:
 
     def _training_engine(self, model, engine_dtype: str) -> None:
         """DeepSpeed's engine and schedule around ``model``, the exporter of versions, the RL step."""
-        from backends.train.engine import make_engine
-        from backends.train.schedule import schedule
-
         rl, trainer = self.rl, self.recipe.trainer
         self.engine, self.scheduler = make_engine(
             model,
@@ -158,8 +162,6 @@ class Learner:
     def _weight_sync(self, weight_sync: str, nccl: NcclTarget | None, engine_dtype: str) -> None:
         """How versions reach the engines (the plan's transport), and the check of the engines'
         logprobs against the trainer's that this transport's rounding allows."""
-        from backends.train.publish import weight_publisher
-
         quant = self.recipe.quantization
         floor = sync_gap_floor(engine_dtype, TRANSPORTS[weight_sync].quantized_versions and not quant.int4_qat)
         self.gap_check = None if floor is None else SyncGapCheck(floor)
@@ -172,8 +174,6 @@ class Learner:
 
     def _with_adapter(self, model):
         """The policy wrapped with the recipe's trainable LoRA adapters (base weights frozen)."""
-        from backends.models.lora import apply_lora
-
         if self.recipe.trainer.zero_stage == 3:  # refused when the recipe is loaded; a recipe built in code
             raise SystemExit("LoRA with ZeRO-3 is not supported; use trainer.zero_stage <= 2")
         return apply_lora(model, self.lora)
@@ -183,7 +183,6 @@ class Learner:
         group could not be set up (said in one line; every version then goes as files)."""
         if nccl is None or not self.dist.is_main:
             return None
-        from backends.inference.nccl_sync import NcclPublisher, open_weight_syncer
 
         host, _, port = nccl.address.rpartition(":")
         module = self.engine.module  # HF parameter names; ZeRO 0-2 keep full weights on rank 0
@@ -197,8 +196,6 @@ class Learner:
         return NcclPublisher(self.exchange, syncer, BATCH_TIMEOUT_S)
 
     def _restore(self) -> int:
-        from backends.train.checkpoint import load_checkpoint
-
         paths = RunDir(self.run_dir)
         checkpoint = paths.latest_rl_checkpoint()
         if checkpoint is None:
@@ -218,8 +215,6 @@ class Learner:
     def publish(self, version: int) -> None:
         """``weights/v<k>`` for the engines, by the plan's transport (``backends.train.publish``);
         every rank takes part, and all meet at the barrier after it."""
-        import torch.distributed as tdist
-
         self.last_send_s = self.publisher.publish(version)
         if tdist.is_initialized():
             tdist.barrier()
@@ -237,22 +232,15 @@ class Learner:
         return {SYNC_GAP_BOUND: threshold, SYNC_GAP: gap}
 
     def checkpoint(self, step: int) -> None:
-        from backends.train.checkpoint import save_checkpoint
-
         save_checkpoint(self.engine, self.run_dir, step, {"seed": self.recipe.seed}, self.export, self.rl.keep_last)
 
     def run(self) -> None:
-        from backends.train.checkpoint import remove_leftovers
-        from backends.train.engine import grad_norm
-        from skyrl_contracts.samples import Sample
-
         rl = self.rl
         if self.dist.is_main:
             remove_leftovers(self.run_dir)
         if self.events:
             bound = {} if self.gap_check is None else {SYNC_GAP_BOUND: self.gap_check.floor}
             self.events.log(self.start_step, {"progress/total_steps": rl.steps, **bound})
-        import torch.distributed as tdist
 
         if tdist.is_initialized():
             tdist.barrier()  # every rank reads LATEST before anyone publishes: all take the same branch
@@ -316,7 +304,6 @@ def staleness_metrics(samples, trained_step: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     setup_process_logging()
-    from skyrl_contracts.exchange import StopRequested
 
     parser = argparse.ArgumentParser(prog="python -m backends.train.rl_learner", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -338,7 +325,6 @@ def main(argv: list[str] | None = None) -> None:
     learner = Learner(
         args.run_dir.resolve(), args.init_from.resolve(), args.resume, args.weight_sync, nccl, args.engine_dtype
     )
-    from backends.train.engine import leave_distributed
 
     completed = False
     try:

@@ -19,7 +19,26 @@ from pathlib import Path
 
 import torch
 
+from backends.data.sft import batch_indices, build_sft_data, load_source
+from backends.models.loading import load_model, load_tokenizer_for, torch_dtype
+from backends.models.lora import apply_lora
+from backends.quant.export import export_after_training
+from backends.quant.fake_quant import maybe_prepare_qat
+from backends.train.checkpoint import load_checkpoint, remove_leftovers, save_checkpoint
 from backends.train.common import HFExporter, load_recipe, open_events, say
+from backends.train.engine import (
+    all_gather_list,
+    all_reduce_sum,
+    grad_norm,
+    init_distributed,
+    leave_distributed,
+    make_engine,
+)
+from backends.train.engine import train_step as optimizer_step
+from backends.train.evaluate import eval_accuracy, eval_loss
+from backends.train.microbatch import rank_micro_batches
+from backends.train.packing import dynamic_layout, fixed_layout
+from backends.train.schedule import schedule
 from skyrl_contracts.atomic import publish_dir
 from skyrl_contracts.logs import setup_process_logging
 from skyrl_contracts.rundir import RunDir
@@ -49,8 +68,6 @@ class Window:
 
 
 def step_layout(lengths, recipe: Recipe, world_size: int, layout_kind: str):
-    from backends.train.packing import dynamic_layout, fixed_layout
-
     sft = recipe.sft
     if sft.micro_batching == "fixed":
         return fixed_layout(len(lengths), world_size, sft.micro_batch_size)
@@ -66,10 +83,8 @@ def packed_layout_kind(model) -> str:
 
 class SFTTrainer:
     def __init__(self, run_dir: Path, resume: bool):
+        # lazy: deepspeed (logs on import); after main's setup_process_logging
         import deepspeed
-
-        from backends.train.checkpoint import remove_leftovers
-        from backends.train.engine import init_distributed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.run_dir = run_dir
@@ -99,10 +114,6 @@ class SFTTrainer:
         say(self.dist, msg)
 
     def _load_data(self) -> None:
-        from backends.data.sft import build_sft_data, load_source
-        from backends.models.loading import load_tokenizer_for
-        from backends.train.engine import all_gather_list
-
         recipe, dist = self.recipe, self.dist
         source = load_source(recipe.data, recipe.seed)
         self.tokenizer = load_tokenizer_for(recipe.model, source.alphabet())
@@ -114,12 +125,6 @@ class SFTTrainer:
         )
 
     def _build_engine(self) -> None:
-        from backends.models.loading import load_model, torch_dtype
-        from backends.models.lora import apply_lora
-        from backends.quant.fake_quant import maybe_prepare_qat
-        from backends.train.engine import make_engine
-        from backends.train.schedule import schedule
-
         recipe, sft = self.recipe, self.sft
         torch.manual_seed(recipe.seed)
         model = maybe_prepare_qat(load_model(recipe.model, self.tokenizer, recipe.seed), recipe.quantization, self.say)
@@ -139,8 +144,6 @@ class SFTTrainer:
 
     def _restore(self) -> tuple[int, int]:
         """(start step, end step) from the newest complete checkpoint, or from scratch without one."""
-        from backends.train.checkpoint import load_checkpoint
-
         checkpoint = RunDir(self.run_dir).latest_checkpoint()
         if checkpoint is None:
             self.say("no complete checkpoint to resume from; starting at step 0")
@@ -153,10 +156,6 @@ class SFTTrainer:
     # ----------------------------------------------------------------------------- one step
     def train_step(self, step: int):
         """One optimizer step on the global batch of ``step``; returns its lr, layout and lengths."""
-        from backends.data.sft import batch_indices
-        from backends.train.engine import train_step as optimizer_step
-        from backends.train.microbatch import rank_micro_batches
-
         train, dist = self.data.train, self.dist
         batch = [train[i] for i in batch_indices(self.recipe.seed, step, self.sft.batch_size, len(train))]
         lengths = [len(ex) for ex in batch]
@@ -171,8 +170,6 @@ class SFTTrainer:
 
     def log_window(self, done: int, lr: float, layout, lengths: list[int]) -> None:
         """Train metrics over the steps since the last log line (the layout figures: the last step's)."""
-        from backends.train.engine import all_reduce_sum, grad_norm
-
         window, sft = self.window, self.sft
         (nll,) = all_reduce_sum([window.nll], self.dist.device)
         elapsed = time.perf_counter() - window.started
@@ -196,8 +193,6 @@ class SFTTrainer:
         window.reset()
 
     def evaluate(self, step: int) -> float:
-        from backends.train.evaluate import eval_accuracy, eval_loss
-
         t0 = time.perf_counter()
         module, data, tokenizer = self.engine.module, self.data, self.tokenizer
         loss = eval_loss(module, data.eval, self.dist, self.sft.max_tokens_per_microbatch, tokenizer.pad_token_id)
@@ -223,8 +218,6 @@ class SFTTrainer:
         return accuracy
 
     def checkpoint(self, step: int, **extra) -> None:
-        from backends.train.checkpoint import save_checkpoint
-
         t0 = time.perf_counter()
         state = {"seed": self.recipe.seed, "samples": step * self.sft.batch_size, **extra}
         save_checkpoint(self.engine, self.run_dir, step, state, self.export, self.sft.keep_last)
@@ -269,8 +262,6 @@ class SFTTrainer:
             self.say(f"final model: {paths.final} ({time.perf_counter() - self.started:.1f}s in total)")
 
     def run(self) -> None:
-        from backends.quant.export import export_after_training
-
         self.window = Window()
         for step in range(self.start_step, self.end_step):
             if not self.run_step(step):
@@ -287,7 +278,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args = parser.parse_args(argv)
-    from backends.train.engine import leave_distributed
 
     SFTTrainer(args.run_dir.resolve(), args.resume).run()
     leave_distributed(completed=True)

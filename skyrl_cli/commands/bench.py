@@ -20,8 +20,10 @@ from skyrl_contracts.errors import UsageError
 
 # ------------------------------------------------------------------------------------------- live
 def _routing_live(names, pressure, seed, calibrate, repeats, run_dir, as_json) -> None:
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
 
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.routing import sweep as sw
     from skyrl_cli.routing.cluster import start_cluster
     from skyrl_cli.routing.live_bench import (
@@ -51,8 +53,10 @@ def _routing_live(names, pressure, seed, calibrate, repeats, run_dir, as_json) -
 
 # ------------------------------------------------------------------------------------------- simulated
 def _routing_simulated(config, as_json: bool, plot: str | None) -> None:
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
 
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.routing import sweep as sw
 
     workload = config.workload
@@ -84,9 +88,11 @@ def _routing_simulated(config, as_json: bool, plot: str | None) -> None:
 
 def _write_plot(rows, plot: str, console) -> None:
     try:
+        # lazy: matplotlib; skyrl --help and the light commands stay light
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.routing.plot import plot_sweep
 
     path = plot_sweep(rows, plot)
@@ -107,6 +113,7 @@ def _sweep_config(
     seed,
     repeats,
 ):
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.routing import sweep as sw
 
     workload = sw.with_overrides(
@@ -174,6 +181,7 @@ def routing(
     ),
 ) -> None:
     """Compare routing policies under KV-cache pressure (simulated; --live / --calibrate on real engines)."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.routing import sweep as sw
     from skyrl_cli.routing.policies import DEFAULT_POLICIES
 

@@ -22,6 +22,7 @@ def _fmt(value: float, digits: int = 0) -> str:
 
 
 def render_tables(rows, console, baseline: str = BASELINE) -> None:
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.table import Table
 
     levels = list(dict.fromkeys((r.pressure, r.kv_ratio, r.kv_capacity) for r in rows))
@@ -64,6 +65,7 @@ def render_tables(rows, console, baseline: str = BASELINE) -> None:
 def render_live_level(level: dict, console, *, engines: int, repeats: int, calibrate: bool) -> None:
     """One pressure level of the live benchmark (``skyrl_cli.routing.live_bench``): medians per policy,
     with the simulated figures and each run's fitted step cost under ``calibrate``."""
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.table import Table
 
     capacity, label = level["kv_capacity"], level["pressure"]

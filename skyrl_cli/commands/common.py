@@ -99,6 +99,7 @@ def load_for_run(
     check that it has the section of the stage the command runs (``STAGE_SECTIONS``; other
     stages and ``None`` check nothing). The layout is checked against ``machine`` (give the one
     the plan is built for), else this host with ``gpu_count`` GPUs (``None``: the visible ones)."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.plan.feasibility import load_feasible_recipe
     from skyrl_cli.recipe.registry import resolve_recipe_arg
 
@@ -116,12 +117,14 @@ STAGE_SECTIONS = {"sft": "sft", "rl": "rl", "quantize": "quantization"}
 
 def recipe_dir(recipe: str) -> Path:
     """The directory of the recipe argument's file: relative paths and user code are found there."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.recipe.registry import resolve_recipe_arg
 
     return resolve_recipe_arg(recipe).resolve().parent
 
 
 def run_dir_for(recipe: Recipe, stage: str, run_dir: Path | None) -> Path:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_contracts.rundir import resolve_run_dir
 
     return resolve_run_dir(recipe, stage, run_dir)
@@ -146,6 +149,7 @@ def stage_request(
     """What ``skyrl sft|rl`` hands ``skyrl_cli.stages.dispatch.run_stage``: the recipe loaded and
     checked against this host, its run directory and the output mode; ``options``: the rest of the
     command's options (``StageRequest``'s fields)."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.plan.machine import detect_machine
     from skyrl_cli.stages.request import StageRequest
 

@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer._completion_classes import completion_init
+from typer._completion_shared import get_completion_script
+
+from skyrl_contracts.errors import UsageError
 
 PROG = "skyrl"
 COMPLETE_VAR = "_SKYRL_COMPLETE"
@@ -22,8 +26,6 @@ FILES = {"bash": "skyrl.bash", "zsh": "_skyrl", "fish": "skyrl.fish"}
 
 
 def completion_script(shell: str) -> str:
-    from typer._completion_shared import get_completion_script
-
     return get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell) + "\n"
 
 
@@ -40,8 +42,6 @@ def write_scripts(directory: Path) -> list[Path]:
 def register(app: typer.Typer) -> None:
     # Typer registers its shell classes only with add_completion=True; the root turns that off (no
     # --install-completion noise), so register them here for `_SKYRL_COMPLETE=complete_<shell>`.
-    from typer._completion_classes import completion_init
-
     completion_init()
 
     @app.command("completions")
@@ -49,8 +49,6 @@ def register(app: typer.Typer) -> None:
         shell: Annotated[str, typer.Argument(help="bash, zsh or fish.", metavar="SHELL")],
     ) -> None:
         """Print the completion script for SHELL, e.g. `skyrl completions bash > ~/.local/share/bash-completion/completions/skyrl`."""
-        from skyrl_contracts.errors import UsageError
-
         if shell not in FILES:
             raise UsageError(f"unknown shell {shell!r}; choose one of {', '.join(FILES)}")
         typer.echo(completion_script(shell), nl=False)

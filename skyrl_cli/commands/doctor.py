@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Iterator, Optional
 import typer
 
 from skyrl_cli.commands import common
+from skyrl_contracts.errors import SkyrlError
 
 if TYPE_CHECKING:
     from skyrl_cli.doctor.checks import Check
@@ -30,6 +31,7 @@ def _fixed_ports(recipe: Recipe) -> list[tuple[str, int]]:
 
 
 def _ports(recipe: Recipe, machine: MachineFacts, layout_fits: bool) -> list[Check]:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.doctor import layout
 
     if layout_fits:
@@ -39,6 +41,7 @@ def _ports(recipe: Recipe, machine: MachineFacts, layout_fits: bool) -> list[Che
 
 
 def recipe_checks(recipe: Recipe, machine: MachineFacts, base_dir: Path, quick: bool) -> Iterator[Check]:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.doctor import layout, network
     from skyrl_cli.doctor.checks import skipped
     from skyrl_cli.doctor.environment import gpu_memory
@@ -62,6 +65,7 @@ def recipe_checks(recipe: Recipe, machine: MachineFacts, base_dir: Path, quick: 
 def all_checks(
     recipe_arg: str | None, sets: list[str] | None, smoke: bool, smoke_timeout: float, quick: bool
 ) -> Iterator[Check]:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.doctor.checks import skipped
     from skyrl_cli.doctor.environment import environment_checks
     from skyrl_cli.doctor.smoke import check_engine_smoke
@@ -108,7 +112,6 @@ def register(app: typer.Typer) -> None:
 
         Python and packages against the tested set, GPUs and their memory against the recipe's layout, its ports, disk space for its checkpoints, that DeepSpeed, vLLM and vllm-router import and start, gloo / NCCL and the recipe's hosts. Exit code 1 when any failed.
         """  # one line a paragraph: typer's rich help keeps a docstring's line breaks
-        from skyrl_contracts.errors import SkyrlError
 
         checks = []
         for check in all_checks(recipe, set_, smoke, smoke_timeout, quick):

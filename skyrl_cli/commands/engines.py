@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from skyrl_cli.commands import common
+from skyrl_contracts.errors import UsageError
 
 AsyncOpt = Annotated[bool, typer.Option("--async", help="Engines as skyrl rl --async starts them (for --async runs).")]
 
@@ -33,6 +34,7 @@ def up(
 
     The pool also keeps the recipe's learner (its torchrun ranks) and orchestrator started and
     imported (--no-warm: not), so a run that fits skips their start-up as well as the engines'."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.engines.pool import check_name, pools_dir, prepare_pool_dir, start_pool
     from skyrl_cli.plan.feasibility import assert_feasible
     from skyrl_cli.plan.machine import detect_machine
@@ -65,9 +67,11 @@ def up(
 
 def status(json_: common.JsonOpt = False) -> None:
     """The pools on this machine: engines, router, warm processes, health, the weights they serve, who uses them, since when."""
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
     from rich.table import Table
 
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.engines.pool import health, list_pools, pools_dir, served_version
 
     pools = list_pools()
@@ -129,8 +133,8 @@ def down(
     force: Annotated[bool, typer.Option("--force", help="Stop it even while a run uses it.")] = False,
 ) -> None:
     """Stop a pool's engines and router and remove its folder."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.engines.pool import get_pool, list_pools, stop_pool
-    from skyrl_contracts.errors import UsageError
 
     pools = list_pools()
     if all_:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from skyrl_cli.commands import common
+from skyrl_contracts.errors import UsageError
 
 QatOpt = Annotated[
     bool, typer.Option("--int4-qat", help="Fine-tune under INT4 fake-quant for the recipe's sft steps, then export.")
@@ -38,10 +39,10 @@ def register(app: typer.Typer) -> None:
         tokenizer), events.jsonl, logs/, summary.json; --int4-qat also checkpoints/ and final/
         (the full-precision weights it trained).
         """
+        # lazy: command implementation; skyrl --help stays fast
         from skyrl_cli.plan.build import build_plan
         from skyrl_cli.plan.machine import detect_machine
         from skyrl_cli.plan.quantize import quantize_source, stage_recipe
-        from skyrl_contracts.errors import UsageError
 
         if int4_qat == ptq:
             raise UsageError("give one of --int4-qat (quantization-aware training) and --ptq (round-to-nearest)")
@@ -66,6 +67,7 @@ def register(app: typer.Typer) -> None:
 
 
 def run_quantize(recipe, plan, directory: Path, mode, *, resume: bool, overwrite: bool, method: str) -> dict:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_contracts.rundir import RunDir
 
     extra = {"method": method, "source_model": recipe.model.path, "int4_model": str(RunDir(directory).int4)}
@@ -75,6 +77,7 @@ def run_quantize(recipe, plan, directory: Path, mode, *, resume: bool, overwrite
 
 
 def final_line(summary: dict, directory: Path) -> str:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.metrics.summary import wall_time_text
 
     metrics = summary.get("metrics", {})

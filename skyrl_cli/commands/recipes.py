@@ -11,13 +11,16 @@ from typing import Annotated
 import typer
 
 from skyrl_cli.commands import common
+from skyrl_contracts.errors import RecipeError, UsageError
 
 
 def ls() -> None:
     """List the built-in recipes: stages, hardware, time and expected result."""
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
     from rich.table import Table
 
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.recipe.registry import builtin_recipes
 
     table = Table(title="built-in recipes (skyrl recipes show NAME)")
@@ -30,6 +33,7 @@ def ls() -> None:
 
 def show(name: Annotated[str, typer.Argument(help="Built-in recipe name.")]) -> None:
     """Print a built-in recipe's TOML."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.recipe.registry import builtin_path
 
     typer.echo(builtin_path(name).read_text(encoding="utf-8"), nl=False)
@@ -50,8 +54,6 @@ def validate(
     gpus: common.GpusOpt = None,
 ) -> None:
     """Check recipes and report every problem at once as file:line: key.path: message (exit 2)."""
-    from skyrl_contracts.errors import RecipeError, UsageError
-
     problems: list[str] = []
     for file in files:
         try:
@@ -68,6 +70,7 @@ def validate(
 
 def schema() -> None:
     """Print the JSON Schema of a recipe (for editor completion of TOML files)."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_contracts.schema import Recipe
 
     typer.echo(json.dumps(Recipe.model_json_schema(by_alias=True), indent=2))
@@ -84,8 +87,8 @@ def copy_recipe(name: str, dest: Path, force: bool) -> str:
     """``skyrl recipes cp``: the recipe file, and its own folder (``recipes/<name>/``: data, reward
     code) next to the copy under the same name, so that its relative paths and module names keep
     working. Returns the line to print."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.recipe.registry import builtin_path
-    from skyrl_contracts.errors import UsageError
 
     source = builtin_path(name)
     # "sub/" names a folder even before it exists (it was written as a file called "sub").

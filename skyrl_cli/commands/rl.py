@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         Starts rl.init_from: "sft" is this recipe's SFT output (SFT runs first when it has not).
         Writes runs/<name>/rl/ (or --run-dir): events.jsonl, logs/, checkpoints/, final/, summary.json.
         """
+        # lazy: command implementation; skyrl --help stays fast
         from skyrl_cli.stages.dispatch import run_stage
 
         request = common.stage_request(

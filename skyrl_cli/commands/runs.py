@@ -7,11 +7,14 @@ is read as far as its events go.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from skyrl_contracts.errors import UsageError
 
 RootOpt = Annotated[Path, typer.Option("--root", help="The runs folder that RUN names are looked up in and ls lists.")]
 RunsArg = Annotated[list[str], typer.Argument(help="Run directories, or paths under --root.", metavar="RUN...")]
@@ -19,6 +22,7 @@ DEFAULT_ROOT = Path("runs")
 
 
 def _resolve(runs: list[str], root: Path) -> list[Path]:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.runview.catalog import resolve_run
 
     return [resolve_run(run, root) for run in runs]
@@ -33,9 +37,11 @@ def ls(
     json_: Annotated[bool, typer.Option("--json", help="One JSON object per run.")] = False,
 ) -> None:
     """List the runs under --root: stage, status, steps, wall time and final figures."""
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
     from rich.table import Table
 
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.runview.catalog import HEADLINE, find_runs, run_info
 
     infos = [run_info(path) for path in find_runs(root)] if root.is_dir() else []
@@ -71,6 +77,7 @@ def ls(
 
 def _recipe_toml(path: Path) -> str:
     """recipe.resolved.json as TOML (unset keys, JSON nulls, left out)."""
+    # lazy: tomli_w; the CLI's light commands import this module without it
     import tomli_w
 
     def drop_nulls(value):
@@ -82,6 +89,7 @@ def _recipe_toml(path: Path) -> str:
 
 
 def _plan_table(path: Path):
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.table import Table
 
     plan = json.loads(path.read_text(encoding="utf-8"))
@@ -100,8 +108,10 @@ def show(
     root: RootOpt = DEFAULT_ROOT,
 ) -> None:
     """Print a run's status, resolved recipe, launch plan and final figures."""
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
 
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.metrics.summary import summary_table
     from skyrl_cli.runview.catalog import run_info
     from skyrl_contracts.rundir import RunDir
@@ -120,10 +130,8 @@ def show(
 
 
 def _check_metrics(metrics: list[str], paths: list[Path]) -> None:
-    import difflib
-
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.runview.curves import load_curves
-    from skyrl_contracts.errors import UsageError
 
     known = sorted({name for path in paths for name in load_curves(path)})
     for name in metrics:
@@ -147,14 +155,15 @@ def compare(
     root: RootOpt = DEFAULT_ROOT,
 ) -> None:
     """Compare runs: a table of their final figures and a PNG of their curves overlaid."""
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
     from rich.table import Table
 
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.runview.catalog import final_rows
     from skyrl_cli.runview.curves import REPORT_PANELS, metric_panels
     from skyrl_cli.runview.report import figure_png, load_runs, panels_with_data
     from skyrl_contracts.atomic import write_bytes
-    from skyrl_contracts.errors import UsageError
 
     if len(runs) < 2:
         raise UsageError("skyrl runs compare needs two runs or more (skyrl runs show RUN looks at one)")
@@ -182,6 +191,7 @@ def report(
     root: RootOpt = DEFAULT_ROOT,
 ) -> None:
     """Write report.png and a self-contained report.html of one run, or of several compared."""
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.runview.report import write_report
     from skyrl_contracts.rundir import RunDir
 

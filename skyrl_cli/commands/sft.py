@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
         Writes runs/<name>/sft/ (or --run-dir): events.jsonl, logs/trainer.log, checkpoints/,
         final/ (HF model + tokenizer) and summary.json.
         """
+        # lazy: command implementation; skyrl --help stays fast
         from skyrl_cli.stages.dispatch import run_stage
 
         request = common.stage_request(

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from skyrl_cli.commands import common
+from skyrl_contracts.errors import LaunchError, UsageError
 
 NoEnginesOpt = Annotated[
     bool, typer.Option("--no-engines", help="Start no vLLM engines: training and checkpoints only, sampling refused.")
@@ -38,9 +39,9 @@ def register(app: typer.Typer) -> None:
         Point the SDK at it: tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...").
         Writes runs/<name>/tinker/ (or --run-dir): server.json, logs/, storage/ (unless tinker.storage_dir).
         """
+        # lazy: command implementation; skyrl --help stays fast
         from skyrl_cli.plan.machine import detect_machine
         from skyrl_cli.plan.tinker import plan_tinker
-        from skyrl_contracts.errors import UsageError
 
         machine = detect_machine()
         loaded = common.load_for_run(recipe, set_, "tinker", machine=machine)
@@ -66,11 +67,11 @@ def register(app: typer.Typer) -> None:
 
 
 def serve_plan(recipe, plan, config: dict, directory) -> None:
+    # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.engines.stack import launch_inference  # light: httpx only
     from skyrl_cli.launch.supervisor import Supervisor, failure_message
     from skyrl_cli.plan.tinker import SERVER_NAME
     from skyrl_contracts.atomic import write_json
-    from skyrl_contracts.errors import LaunchError
     from skyrl_contracts.rundir import RunDir
 
     RunDir(directory).prepare(recipe, plan, resume=True)  # storage/ of earlier starts is kept

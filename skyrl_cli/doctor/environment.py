@@ -9,8 +9,15 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from skyrl_cli.doctor.checks import Check, failed, passed, python_child, skipped
+from skyrl_cli.plan.inference import Machine, router_binary
+from skyrl_contracts.ports import find_free_ports
 
 DISTRIBUTION = "skyrl-cli"
 # The Python minor versions the stack was verified on (README, "Install").
@@ -23,8 +30,6 @@ IMPORT_TIMEOUT_S = 180.0
 
 
 def check_python() -> Check:
-    from packaging.specifiers import SpecifierSet
-
     version = ".".join(map(str, sys.version_info[:3]))
     required = SpecifierSet(importlib.metadata.metadata(DISTRIBUTION).get("Requires-Python") or "")
     tested = ", ".join(f"{a}.{b}" for a, b in TESTED_PYTHON)
@@ -47,8 +52,6 @@ def stack_extra(gpu_count: int) -> str:
 def tested_requirements(extra: str) -> list:
     """skyrl's own requirements and those of ``extra`` (from the installed package's metadata, i.e.
     pyproject.toml)."""
-    from packaging.requirements import Requirement
-
     found = []
     for text in importlib.metadata.requires(DISTRIBUTION) or []:
         requirement = Requirement(text)
@@ -60,8 +63,6 @@ def tested_requirements(extra: str) -> list:
 
 def user_requirements() -> list:
     """The requirements named in ``$SKYRL_DOCTOR_REQUIRE``."""
-    from packaging.requirements import Requirement
-
     return [Requirement(text) for text in os.environ.get(REQUIRE_ENV, "").split()]
 
 
@@ -125,8 +126,6 @@ STARTS = {
 
 def check_starts() -> list[Check]:
     """DeepSpeed and vLLM import (in parallel, each in its own process), vllm-router starts."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(len(STARTS) + 1) as pool:
         futures = {name: pool.submit(python_child, code, IMPORT_TIMEOUT_S) for name, code in STARTS.items()}
         router = pool.submit(check_router_starts)
@@ -148,11 +147,6 @@ def check_starts() -> list[Check]:
 
 def check_router_starts(timeout_s: float = 20.0) -> Check:
     """Start vllm-router without workers on free ports and wait for ``/liveness``."""
-    import httpx
-
-    from skyrl_cli.plan.inference import Machine, router_binary
-    from skyrl_contracts.ports import find_free_ports
-
     binary = router_binary(Machine("cpu"))
     if shutil.which(binary) is None:
         return failed("vllm-router starts", f"no {binary} executable", f"pip install vllm-router ({SETUP_HINT})")

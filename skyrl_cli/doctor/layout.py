@@ -10,7 +10,14 @@ import tempfile
 from pathlib import Path
 
 from skyrl_cli.doctor.checks import Check, failed, passed, skipped
+from skyrl_cli.plan.build import build_plan
+from skyrl_cli.plan.feasibility import feasibility_problems
 from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.rl import inference_machine
+from skyrl_cli.plan.trainer import trainer_device
+from skyrl_cli.recipe.locator import dotted
+from skyrl_cli.recipe.validate import resolve_path
+from skyrl_contracts.ports import find_free_ports
 from skyrl_contracts.schema import Recipe
 
 # Measured on the quickstart model (1.07 M parameters, fp32): a checkpoint is 21.4 MB, 20 bytes a
@@ -33,10 +40,6 @@ def _fix_for(key: str, message: str, gpu_count: int) -> str:
 
 def check_layout(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[Check]:
     """The checks ``skyrl sft`` / ``skyrl rl`` would refuse the recipe with, as fail lines."""
-    from skyrl_cli.plan.feasibility import feasibility_problems
-    from skyrl_cli.plan.trainer import trainer_device
-    from skyrl_cli.recipe.locator import dotted
-
     problems = feasibility_problems(recipe, machine, base_dir)
     if problems:
         return [
@@ -53,9 +56,6 @@ def check_layout(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[
 
 def check_gpu_memory(recipe: Recipe, machine: MachineFacts, gpus: list[tuple[int, str, float, float]]) -> list[Check]:
     """vLLM takes ``gpu_memory_utilization`` of a GPU's total memory at start and fails when less is free."""
-    from skyrl_cli.plan.rl import inference_machine
-    from skyrl_cli.plan.trainer import trainer_device
-
     if recipe.rl is None or not recipe.inference.engines or trainer_device(recipe, machine) != "cuda":
         return []
     share, memory = recipe.inference.gpu_memory_utilization, {g[0]: g for g in gpus}
@@ -80,8 +80,6 @@ def check_gpu_memory(recipe: Recipe, machine: MachineFacts, gpus: list[tuple[int
 
 def planned_ports(recipe: Recipe, machine: MachineFacts) -> list[tuple[str, int]]:
     """``(process, port)`` of every port the recipe's stages would bind (their launch plans)."""
-    from skyrl_cli.plan.build import build_plan
-
     stages = [
         s for s, section in (("sft", recipe.sft), ("rl", recipe.rl), ("tinker", recipe.tinker)) if section is not None
     ]
@@ -113,8 +111,6 @@ def _port_key(recipe: Recipe, process: str, port: int) -> str | None:
 
 def check_ports(recipe: Recipe, machine: MachineFacts, ports: list[tuple[str, int]] | None = None) -> list[Check]:
     """Every ``(process, port)`` of ``ports`` (default: the recipe's plans) is free on this host."""
-    from skyrl_contracts.ports import find_free_ports
-
     ports = planned_ports(recipe, machine) if ports is None else ports
     taken = [(process, port) for process, port in ports if port_in_use(machine.host, port)]
     checks = []
@@ -139,8 +135,6 @@ def check_ports(recipe: Recipe, machine: MachineFacts, ports: list[tuple[str, in
 
 def model_parameters(recipe: Recipe, base_dir: Path) -> int | None:
     """Parameters of the recipe's model: from ``model.init``'s shape, or its weight files' size."""
-    from skyrl_cli.recipe.validate import resolve_path
-
     init = recipe.model.init
     if init is not None:
         h, inter = init.hidden_size, init.intermediate_size or 4 * init.hidden_size

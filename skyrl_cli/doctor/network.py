@@ -3,13 +3,20 @@ local processes as the trainer ranks do it, the multi-node rendezvous, and remot
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
+import httpx
+
 from skyrl_cli.doctor.checks import Check, failed, passed, run_child
 from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.nodes import NodeContext, cluster_layout, node_rank, node_recipe
+from skyrl_cli.plan.trainer import trainer_device
+from skyrl_contracts.errors import UsageError
+from skyrl_contracts.ports import find_free_ports
 from skyrl_contracts.schema import Recipe
 
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -35,9 +42,6 @@ print(f"{backend} all-reduce over {world} processes on {device.split(':')[0]}")
 
 def check_collectives(recipe: Recipe, machine: MachineFacts) -> Check:
     """gloo between two CPU processes, or NCCL across (up to) two GPUs, over this host's loopback."""
-    from skyrl_cli.plan.trainer import trainer_device
-    from skyrl_contracts.ports import find_free_ports
-
     cuda = trainer_device(recipe, machine) == "cuda"
     backend, world = ("nccl", min(2, len(machine.gpus))) if cuda else ("gloo", 2)
     (port,) = find_free_ports(1)
@@ -74,11 +78,6 @@ def check_rendezvous(recipe: Recipe) -> list[Check]:
     ``SKYRL_CLUSTER_ADDRESS``."""
     trainer = recipe.trainer
     if recipe.cluster is not None:
-        import os
-
-        from skyrl_cli.plan.nodes import NodeContext, cluster_layout, node_rank, node_recipe
-        from skyrl_contracts.errors import UsageError
-
         layout = cluster_layout(recipe)
         address = layout.address or os.environ.get("SKYRL_CLUSTER_ADDRESS", "").strip()
         if not address:
@@ -119,8 +118,6 @@ def check_rendezvous(recipe: Recipe) -> list[Check]:
 
 
 def check_remote_engines(recipe: Recipe) -> list[Check]:
-    import httpx
-
     checks = []
     for url in recipe.inference.urls if recipe.rl is not None else ():
         try:

@@ -13,18 +13,29 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from skyrl_cli.doctor.checks import Check, failed, passed, run_child
+from skyrl_cli.launch.supervisor import Supervisor, log_tail
+from skyrl_cli.launch.tiny_model import build_tiny_model_dir
+from skyrl_cli.plan.inference import engine_dtype, engine_specs, engine_url
 from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.rl import inference_machine, untied_engine_model
+from skyrl_cli.plan.trainer import trainer_device
+from skyrl_cli.plan.weight_sync import select_weight_sync
+from skyrl_cli.recipe.validate import resolve_path
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
+from skyrl_contracts.errors import LaunchError, SkyrlError
+from skyrl_contracts.health import sync_gap_floor
+from skyrl_contracts.ports import find_free_ports
+from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
+from skyrl_contracts.transports import TRANSPORTS
 
 ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 
 
 def _model_dir(recipe: Recipe, base_dir: Path, scratch: Path, timeout_s: float) -> tuple[Path | None, str]:
-    from skyrl_cli.launch.tiny_model import build_tiny_model_dir
-    from skyrl_cli.recipe.validate import resolve_path
-    from skyrl_contracts.errors import LaunchError
-
     if recipe.model.init is None:
         return resolve_path(recipe.model.path, base_dir), ""
     try:
@@ -37,9 +48,6 @@ def _model_dir(recipe: Recipe, base_dir: Path, scratch: Path, timeout_s: float) 
 def _reloads_full_weights(recipe: Recipe, device: str) -> bool:
     """The plan's transport has the engines reload full weights into ``engine-model/`` (LoRA adapters
     and INT4 exports are other paths; NCCL needs a trainer, so the smoke test checks its disk fallback)."""
-    from skyrl_cli.plan.weight_sync import select_weight_sync
-    from skyrl_contracts.transports import TRANSPORTS
-
     return TRANSPORTS[select_weight_sync(recipe, device, transfer_available=False)].engine_model == "untied"
 
 
@@ -47,8 +55,6 @@ def _served_model(
     recipe: Recipe, device: str, model_dir: Path, scratch: Path, machine: MachineFacts, timeout_s: float
 ) -> tuple[Path | None, str]:
     """What the RL stage's engines start from: the plan's setup job's ``engine-model/`` (a tied model untied)."""
-    from skyrl_cli.plan.rl import untied_engine_model
-
     if not _reloads_full_weights(recipe, device):
         return model_dir, ""
     (setup,), served = untied_engine_model(scratch, model_dir, machine)
@@ -60,8 +66,6 @@ def _sync_round_trip(
     recipe: Recipe, device: str, dtype: str, url: str, model_dir: Path, scratch: Path, timeout_s: float
 ) -> tuple[bool, str] | None:
     """(within the bound, what was measured), or None where the RL stage reloads no full weights."""
-    from skyrl_contracts.health import sync_gap_floor
-
     if not _reloads_full_weights(recipe, device):
         return None
     argv = [
@@ -89,10 +93,6 @@ def _sync_round_trip(
 
 
 def _generate(url: str) -> str:
-    import httpx
-
-    from skyrl_contracts.engine_api import SERVED_MODEL_NAME
-
     body = {"model": SERVED_MODEL_NAME, "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30.0)
     answer.raise_for_status()
@@ -100,16 +100,6 @@ def _generate(url: str) -> str:
 
 
 def check_engine_smoke(recipe: Recipe, machine: MachineFacts, base_dir: Path, timeout_s: float) -> Check:
-    import httpx
-
-    from skyrl_cli.launch.supervisor import Supervisor, log_tail
-    from skyrl_cli.plan.inference import engine_dtype, engine_specs, engine_url
-    from skyrl_cli.plan.rl import inference_machine
-    from skyrl_cli.plan.trainer import trainer_device
-    from skyrl_contracts.errors import SkyrlError
-    from skyrl_contracts.ports import find_free_ports
-    from skyrl_contracts.rundir import RunDir
-
     started = time.monotonic()
     one_engine = recipe.model_copy(update={"inference": recipe.inference.model_copy(update={"engines": 1})})
     device = trainer_device(one_engine, machine)

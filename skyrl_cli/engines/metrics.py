@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 def parse_prometheus(text: str) -> dict[str, float]:
     """Sample name -> value, summed over label sets (several models / engines in one server)."""
+    # lazy: prometheus_client; skyrl --help and the light commands stay light
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}

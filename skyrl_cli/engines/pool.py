@@ -34,12 +34,22 @@ from typing import Any, Iterator
 
 import httpx
 
+from backends.inference.weight_sync import (
+    CurrentWeights,
+    engine_weight_version,
+    record_current_weights,
+    run_blocking,
+    set_weight_version,
+    sync_weights,
+    unload_policy_adapters,
+)
 from skyrl_cli.engines.standby import Generation, ranks_of, state, wait_warm
 from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, pid_alive
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
 from skyrl_cli.plan.pool import WARM_NAMES, engine_signature, first_difference, model_signature, unpoolable
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import LaunchError, UsageError
+from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS
 
 POOL_FILE = "pool.json"
@@ -199,8 +209,6 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
     are warm, and write ``pool.json``. An engine or router failure stops what was started and
     raises ``LaunchError``; a warm process that does not get warm is stopped and said (the second
     value: one line each): the pool serves without it, and runs start their own."""
-    from backends.inference.weight_sync import run_blocking, set_weight_version
-
     path = Path(plan.run_dir)
     setup = [p for p in plan.processes if p.kind == "setup"]
     engines = [p for p in plan.processes if p.role == "engine"]
@@ -422,16 +430,6 @@ def load_run_weights(pool: Pool, run_dir: Path) -> None:
     the previous policy's). Full weights: the run's ``engine-model/`` as version "0", recorded
     first so that an engine the recovery restarts meanwhile loads it too. LoRA: the previous run's
     adapters unloaded (the orchestrator loads this run's v0 adapter)."""
-    from backends.inference.weight_sync import (
-        CurrentWeights,
-        record_current_weights,
-        run_blocking,
-        set_weight_version,
-        sync_weights,
-        unload_policy_adapters,
-    )
-    from skyrl_contracts.rundir import RunDir
-
     urls = pool.engine_urls
     if TRANSPORTS[pool.weight_sync].adapters:
         run_blocking(unload_policy_adapters(urls))
@@ -461,8 +459,6 @@ def health(url: str, path: str = "/health") -> bool:
 
 
 def served_version(url: str) -> str | None:
-    from backends.inference.weight_sync import engine_weight_version, run_blocking
-
     try:
         return run_blocking(engine_weight_version(url))
     except (httpx.HTTPError, ValueError, KeyError):

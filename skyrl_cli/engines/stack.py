@@ -24,9 +24,11 @@ from typing import Callable, Sequence
 
 from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
 from skyrl_cli.engines.metrics import MetricsScraper
+from skyrl_cli.engines.pool import adopt, load_run_weights
 from skyrl_cli.engines.recovery import EngineRecovery
 from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.model import ProcessSpec
+from skyrl_contracts.errors import LaunchError
 from skyrl_contracts.events import EventWriter
 
 
@@ -49,9 +51,8 @@ def check_remote_engines(urls: Sequence[str], timeout_s: float = 5.0) -> None:
     """Every remote engine (``inference.urls``) answers ``GET /health`` with 200, else a one-line
     ``LaunchError`` naming it: checked before anything starts, instead of the router waiting out
     its worker start-up timeout and the run failing later with a less direct message."""
+    # lazy: httpx; the CLI's light commands avoid it
     import httpx
-
-    from skyrl_contracts.errors import LaunchError
 
     for url in urls:
         try:
@@ -116,8 +117,6 @@ def attach_inference(
 ) -> InferenceStack:
     """The inference side of a run on an engine pool (``skyrl_cli.engines.pool.Pool``, held by the
     run): its processes adopted, the run's initial weights loaded, then watched as a run's own."""
-    from skyrl_cli.engines.pool import adopt, load_run_weights
-
     names, router_name = adopt(supervisor, pool)
     load_run_weights(pool, run_dir)
     if remote_urls:

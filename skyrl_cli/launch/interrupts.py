@@ -21,6 +21,7 @@ Light on purpose (``skyrl --help`` imports it): the run directory helpers are im
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -152,8 +153,7 @@ def interruption_message(
 def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dict:
     """summary.json of this run with ``"interrupted": SIGNAL``; written from the events when the
     run stopped before its follower wrote one (e.g. while the engines were starting)."""
-    import json
-
+    # lazy: skyrl --help imports this module; these stay out of it
     from skyrl_cli.metrics.summary import write_summary
     from skyrl_contracts.atomic import write_json
     from skyrl_contracts.rundir import RunDir
@@ -173,6 +173,7 @@ def mark_summary(run_dir: Path, stage: str, signame: str, started: float) -> dic
 def interruption_error(
     stage: str, run_dir: Path, signum: int, progress: StageProgress, started: float, **hints
 ) -> RunInterrupted:
+    # lazy: skyrl --help imports this module; these stay out of it
     from skyrl_contracts.rundir import RunDir
 
     signame = signal_name(signum)

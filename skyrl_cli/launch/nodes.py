@@ -30,6 +30,7 @@ is exactly the check that it is shared.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -65,8 +66,6 @@ class Marker:
 
 
 def read_marker(path: Path) -> Marker | None:
-    import json
-
     try:
         data = json.loads(path.read_text())
         return Marker(**data)

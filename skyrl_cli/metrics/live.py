@@ -81,6 +81,7 @@ class LiveView(Sink):
         self._live = None
 
     def start(self) -> None:
+        # lazy: rich; skyrl recipes validate and completions stay light
         from rich.console import Console
         from rich.live import Live
         from rich.progress import (
@@ -107,6 +108,7 @@ class LiveView(Sink):
         self._live.start()
 
     def _render(self):
+        # lazy: rich; skyrl recipes validate and completions stay light
         from rich.console import Group
         from rich.table import Table
 
@@ -117,6 +119,7 @@ class LiveView(Sink):
             grid.add_row(label, text)
         if self.board.notice is None:
             return Group(self._progress, grid)
+        # lazy: rich; skyrl recipes validate and completions stay light
         from rich.text import Text
 
         return Group(self._progress, grid, Text(f"warning: {self.board.notice}", style="bold red"))

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
+from skyrl_cli.metrics.summary import headline_table
 from skyrl_contracts.events import MetricEvent
 
 
@@ -102,8 +103,7 @@ class SummaryPrinter(Sink):
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if summary is None:
             return
+        # lazy: rich; skyrl recipes validate and completions stay light
         from rich.console import Console
-
-        from skyrl_cli.metrics.summary import headline_table
 
         (self.console or Console()).print(headline_table(summary, self.run_dir))

@@ -66,6 +66,7 @@ def write_summary(run_dir: str | os.PathLike, extra: Mapping[str, Any] | None = 
 
 def summary_table(summary: Mapping[str, Any]):
     """Every final figure (metrics, then throughput means): ``skyrl runs show``."""
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.table import Table
 
     table = Table(
@@ -149,6 +150,7 @@ def shown_path(path: str | os.PathLike) -> str:
 
 
 def headline_table(summary: Mapping[str, Any], run_dir: str | os.PathLike | None = None):
+    # lazy: rich; skyrl recipes validate and completions stay light
     from rich.table import Table
 
     table = Table(title=f"{summary.get('stage', 'run')} summary", show_header=False)

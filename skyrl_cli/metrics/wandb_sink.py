@@ -30,6 +30,7 @@ class WandbSink(Sink):
         self._run = None
 
     def start(self) -> None:
+        # lazy: wandb; skyrl --help and the light commands stay light
         import wandb
 
         self._run = wandb.init(

@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import Callable
 
 from skyrl_cli.plan.feasibility import assert_feasible
-from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment
+from skyrl_cli.plan.pool import plan_pool
+from skyrl_cli.plan.quantize import plan_quantize
+from skyrl_cli.plan.rl import plan_rl
+from skyrl_cli.plan.tinker import plan_tinker
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
@@ -42,32 +46,24 @@ def plan_sft(
 def _plan_rl(
     recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
 ) -> LaunchPlan:
-    from skyrl_cli.plan.rl import plan_rl
-
     return plan_rl(recipe, run_dir, resume, async_mode, machine, recipe_dir=recipe_dir)
 
 
 def _plan_tinker(
     recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
 ) -> LaunchPlan:
-    from skyrl_cli.plan.tinker import plan_tinker
-
     return plan_tinker(recipe, run_dir, machine)[0]
 
 
 def _plan_quantize(
     recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
 ) -> LaunchPlan:
-    from skyrl_cli.plan.quantize import plan_quantize
-
     return plan_quantize(recipe, run_dir, resume, machine)
 
 
 def _plan_pool(
     recipe: Recipe, run_dir: Path, resume: bool, async_mode: bool, machine: MachineFacts, recipe_dir: Path | None = None
 ) -> LaunchPlan:
-    from skyrl_cli.plan.pool import plan_pool
-
     return plan_pool(recipe, run_dir, machine, async_mode)
 
 
@@ -97,8 +93,6 @@ def build_plan(
     if stage not in STAGE_PLANNERS:
         raise UsageError(f"no planner for stage {stage!r}")
     if machine is None:
-        from skyrl_cli.plan.machine import detect_machine
-
         machine = detect_machine()
     # The loader has run these checks with the same facts; this only guards a recipe built in code.
     assert_feasible(recipe, machine)
@@ -106,7 +100,6 @@ def build_plan(
     if pool is not None:
         if stage != "rl":
             raise UsageError(f"engine pools serve RL runs, not {stage}")
-        from skyrl_cli.plan.rl import plan_rl
 
         return plan_rl(recipe, Path(run_dir).resolve(), resume, async_mode, machine, code_dir, pool=pool)
     return STAGE_PLANNERS[stage](recipe, Path(run_dir).resolve(), resume, async_mode, machine, code_dir)

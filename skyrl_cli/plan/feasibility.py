@@ -20,13 +20,15 @@ from typing import Iterable
 
 from skyrl_cli.plan.inference import VLLM_HEAD_SIZES, VLLM_LORA_RANKS
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
+from skyrl_cli.plan.nodes import cluster_layout
 from skyrl_cli.plan.trainer import trainer_device, world_size
 from skyrl_cli.plan.weight_sync import weight_sync_problems
+from skyrl_cli.recipe.loader import load_recipe
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.validate import Problem, resolve_path
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.losses import ADVANTAGE_KINDS
-from skyrl_contracts.schema import Recipe
+from skyrl_contracts.schema import FULL_PRECISION_LAYERS, Recipe
 
 
 def load_feasible_recipe(
@@ -37,8 +39,6 @@ def load_feasible_recipe(
 ) -> Recipe:
     """``skyrl_cli.recipe.loader.load_recipe`` with the checks against ``machine`` (default: this
     host's facts, with GPUs 0..``gpu_count``-1 when ``gpu_count`` is given) in the same report."""
-    from skyrl_cli.recipe.loader import load_recipe
-
     facts = machine if machine is not None else detect_machine(gpu_count)
     base_dir = Path(path).resolve().parent
     return load_recipe(path, sets, checks=[lambda recipe: feasibility_problems(recipe, facts, base_dir)])
@@ -99,7 +99,6 @@ def _device_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
     ]
     engine_gpus = engines * inference.tensor_parallel
     needed = trainer.ranks + engine_gpus
-    from skyrl_cli.plan.nodes import cluster_layout
 
     layout = cluster_layout(recipe)
     if layout is not None and engines and not layout.overlap:
@@ -285,8 +284,6 @@ def llama_linear_inputs(shape: dict) -> dict[str, int]:
 
 
 def _target_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
-    from skyrl_contracts.schema import FULL_PRECISION_LAYERS
-
     quant = recipe.quantization
     kept = [t for t in quant.targets if t.split(".")[-1] in FULL_PRECISION_LAYERS]
     if kept:

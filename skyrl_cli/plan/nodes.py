@@ -31,14 +31,18 @@ node's ``LaunchPlan`` and ``plan_cluster`` every node's, for ``--dry-run``.
 from __future__ import annotations
 
 import dataclasses
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan
+from skyrl_cli.plan.rl import peer_engine_specs, plan_rl, rl_trainer_spec
+from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
 from skyrl_contracts.errors import UsageError
-from skyrl_contracts.schema import Recipe
+from skyrl_contracts.schema import ClusterConfig, Recipe
 
 COORDINATOR, TRAINER, INFERENCE = "coordinator", "trainer", "inference"
 ADDRESS_ENV = "SKYRL_CLUSTER_ADDRESS"  # node 0's address when cluster.address is unset (the --slurm script)
@@ -100,7 +104,6 @@ def cluster_layout(recipe: Recipe) -> Layout | None:
     trainer = recipe.trainer
     if trainer.nnodes > 1:
         host, _, port = trainer.rdzv_endpoint.rpartition(":")
-        from skyrl_contracts.schema import ClusterConfig
 
         base = ClusterConfig(nodes=2)  # the timeouts' defaults
         return Layout(
@@ -166,8 +169,6 @@ def detect_own_address(address: str, rank: int, env: Mapping[str, str]) -> str:
     """This node's address as the others reach it: ``$SKYRL_NODE_ADDRESS``, node 0's own address on
     node 0, else the source address of this host's route to node 0 (a UDP socket's ``connect``
     sends nothing; it only picks the interface)."""
-    import socket
-
     if env.get(NODE_ADDRESS_ENV, "").strip():
         return env[NODE_ADDRESS_ENV].strip()
     if rank == 0:
@@ -186,9 +187,8 @@ def detect_own_address(address: str, rank: int, env: Mapping[str, str]) -> str:
 
 def interface_of(address: str) -> str | None:
     """The name of this host's interface whose IPv4 address is ``address`` (None if none is)."""
+    # lazy: fcntl is POSIX-only; skyrl recipes validate imports this module on any OS
     import fcntl
-    import socket
-    import struct
 
     SIOCGIFADDR = 0x8915
     try:
@@ -261,8 +261,6 @@ def plan_node(
 ) -> LaunchPlan:
     """Node ``node.rank``'s processes in ``stage``. ``remote_urls``: the other nodes' engines as
     they reported them (node 0, RL); None: placeholders (``--dry-run``)."""
-    from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
-
     if stage not in ("sft", "rl"):
         raise UsageError(f"skyrl {stage} runs on one machine; [cluster] is for skyrl sft and skyrl rl")
     if stage == "rl" and layout.legacy:
@@ -275,16 +273,12 @@ def plan_node(
     facts = dataclasses.replace(machine, host=node.own_address)
     common = {"node": node.rank, "nodes": layout.nodes, "roles": roles, "resume": resume, "run_dir": str(run_dir)}
     if stage == "rl" and node.rank == 0:
-        from skyrl_cli.plan.rl import plan_rl
-
         urls = list(remote_urls) if remote_urls is not None else remote_placeholders(recipe, layout)
         plan = plan_rl(mine, run_dir, resume, async_mode, facts, recipe_dir, remote_urls=urls, nccl_host=node.address)
         return with_interface(plan.model_copy(update=common), layout, node)
     processes = []
     device = "cpu"
     if stage == "rl" and layout.serves(node.rank):
-        from skyrl_cli.plan.rl import peer_engine_specs
-
         offset = engine_seed_offset(recipe, layout, node.rank)
         engines, device = peer_engine_specs(mine, run_dir, facts, async_mode, offset, layout.trains(node.rank))
         processes += engines
@@ -294,8 +288,6 @@ def plan_node(
         if stage == "sft":
             processes.append(trainer_spec(mine, run_dir, facts, resume=resume, resources=resources))
         else:
-            from skyrl_cli.plan.rl import rl_trainer_spec
-
             processes.append(rl_trainer_spec(mine, run_dir, facts, resume, node.address))
     plan = LaunchPlan(
         stage=stage,

@@ -17,6 +17,7 @@ from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.trainer import trainer_resources, trainer_spec, world_size
 from skyrl_contracts.errors import UsageError
+from skyrl_contracts.rundir import RUNS_ROOT, sft_output_dir
 from skyrl_contracts.schema import ModelConfig, Recipe
 
 QUANTIZER_NAME = "quantizer"
@@ -27,8 +28,6 @@ QAT_MODULE = "backends.train.sft"
 def quantize_source(recipe: Recipe, runs_root: Path | None = None) -> Path:
     """The model to quantize: this recipe's SFT output for ``init_from = "sft"``, else the path
     given (already absolute: the recipe loader resolved it)."""
-    from skyrl_contracts.rundir import RUNS_ROOT, sft_output_dir
-
     if recipe.quantization is None:
         raise UsageError("the recipe has no [quantization] section")
     if recipe.quantization.init_from == "sft":

@@ -22,9 +22,11 @@ from typing import Callable, Sequence
 from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
+from skyrl_cli.plan.quantize import ptq_spec
 from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
 from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
 from skyrl_contracts.errors import UsageError
+from skyrl_contracts.rundir import RUNS_ROOT, RunDir, sft_output_dir
 from skyrl_contracts.schema import Recipe
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS, EngineModel, TransportName
 
@@ -41,8 +43,6 @@ ORCHESTRATOR_ENV = {
 def init_model_dir(recipe: Recipe, runs_root: Path | None = None) -> Path:
     """The initial policy: this recipe's SFT output for ``init_from = "sft"``, else the path given
     (already made absolute by the recipe loader)."""
-    from skyrl_contracts.rundir import RUNS_ROOT, sft_output_dir
-
     if recipe.rl.init_from == "sft":
         return sft_output_dir(recipe, runs_root or RUNS_ROOT).resolve()
     return Path(recipe.rl.init_from).resolve()
@@ -123,9 +123,6 @@ def as_is_engine_model(run_dir: Path, init_from: Path, machine: MachineFacts) ->
 def int4_engine_model(run_dir: Path, init_from: Path, machine: MachineFacts) -> tuple[tuple[ProcessSpec, ...], Path]:
     """The engines serve W4A16 from the start: a setup job exports the initial policy into ``int4/``
     (every later version comes from the learner, exported)."""
-    from skyrl_cli.plan.quantize import ptq_spec
-    from skyrl_contracts.rundir import RunDir
-
     spec = ptq_spec(run_dir, str(init_from), machine)
     spec = spec.model_copy(update={"kind": "setup", "argv": (*spec.argv, "--setup")})
     return (spec,), RunDir(run_dir).int4
@@ -136,8 +133,6 @@ def untied_engine_model(run_dir: Path, init_from: Path, machine: MachineFacts) -
     (``backends.models.tied``: vLLM's in-place reload keeps a tied head at its first weights).
     The job decides at run time, when an SFT stage that runs first has written ``init_from``.
     The learner's exports write a tied head out too, so every version the engines reload carries it."""
-    from skyrl_contracts.rundir import RunDir
-
     served = RunDir(run_dir).engine_model
     argv = (machine.python, "-m", UNTIE_MODULE, "--src", str(init_from), "--out", str(served))
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}

@@ -10,13 +10,18 @@ feature lands, delete its entry here (and its broken-recipe test, if any) in the
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import re
 from dataclasses import dataclass
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, Callable
 
+from skyrl_cli.recipe.registry import builtin_recipes
 from skyrl_contracts.episodes import TASKS_WITH_TOOLS, environment_library, turn_problems
 from skyrl_contracts.losses import RATIO_BOUNDS, inert_loss_keys
+from skyrl_contracts.rundir import RUNS_ROOT
 from skyrl_contracts.schema import Recipe
 
 
@@ -84,8 +89,6 @@ def resolve_path(value: str, base_dir: Path) -> Path:
     under the directory skyrl runs in, wherever the recipe file is (a built-in recipe installed from
     a wheel, or copied elsewhere, still finds the quickstart's SFT output)."""
     if value.startswith(RUN_OUTPUT_PREFIX):
-        from skyrl_contracts.rundir import RUNS_ROOT
-
         return (RUNS_ROOT / value[len(RUN_OUTPUT_PREFIX) :].strip("/") / "final").resolve()
     try:
         path = Path(value).expanduser()
@@ -104,9 +107,6 @@ STAGES_WITH_A_FINAL_MODEL = ("sft", "rl")
 def run_output_hint(path: Path) -> str:
     """How to make a missing run output: ``path`` is ``<dir>/runs/<run>/<stage>/final``, which
     ``skyrl <stage>`` on the recipe named ``<run>``, run in ``<dir>``, writes. Else ``""``."""
-    from skyrl_cli.recipe.registry import builtin_recipes
-    from skyrl_contracts.rundir import RUNS_ROOT
-
     parts = path.parts
     if len(parts) < 5 or parts[-1] != "final" or parts[-2] not in STAGES_WITH_A_FINAL_MODEL:
         return ""
@@ -179,9 +179,6 @@ USER_CODE_KEYS = (("rl", "reward"), ("rl", "environment"), ("rl", "agent"))
 
 def module_findable(name: str, first: list[Path]) -> bool:
     """Whether ``import name`` would find something, searching ``first`` before the installed packages."""
-    import importlib.util
-    from importlib.machinery import PathFinder
-
     parts = name.split(".")
     spec = PathFinder.find_spec(parts[0], [str(p) for p in first])
     if spec is None:
@@ -301,8 +298,6 @@ def reasoning_gym_names() -> list[str] | None:
     """The dataset names the installed reasoning-gym registers, read from its source (importing it
     takes seconds): ``register_dataset("name", ...)`` or ``register_dataset(NAME, ...)`` with
     ``NAME = "name"`` in the same file. None when the package is not installed."""
-    import importlib.util
-
     spec = importlib.util.find_spec("reasoning_gym")
     if spec is None:
         return None
@@ -321,8 +316,6 @@ def reasoning_gym_names() -> list[str] | None:
 def reasoning_gym_problems(data) -> list[Problem]:
     """``data.task = "reasoning_gym:<name>"``: the package is installed and every name is one of its
     datasets (a did-you-mean otherwise). Generator options are checked when the rows are drawn."""
-    import difflib
-
     names = reasoning_gym_names()
     if names is None:
         return [Problem(("data", "task"), 'needs the reasoning-gym package: pip install "reasoning-gym>=0.1.25,<0.2"')]

@@ -3,13 +3,16 @@ plan by the supervisor, and vllm-router put in front of them with each policy in
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from skyrl_cli.launch.supervisor import Supervisor
-from skyrl_cli.plan.inference import Machine
+from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.model import ProcessSpec
+from skyrl_contracts.ports import find_free_ports
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
 
@@ -29,8 +32,6 @@ class SupervisedCluster:
         recipe: Recipe,
     ):
         """``recipe``: the level's (its router settings; ``start_router`` sets the policy)."""
-        from skyrl_cli.plan.inference import engine_url
-
         self.recipe = recipe
         self.supervisor = supervisor
         self.machine = machine
@@ -44,10 +45,6 @@ class SupervisedCluster:
 
     async def start_router(self, policy: str) -> None:
         """Start vllm-router with ``policy`` in front of the engines (restarting a running one); return once ready."""
-        import asyncio
-
-        from skyrl_cli.plan.inference import router_spec
-
         inference = self.recipe.inference
         router = inference.router.model_copy(update={"policy": policy})
         recipe = self.recipe.model_copy(update={"inference": inference.model_copy(update={"router": router})})
@@ -70,11 +67,6 @@ class SupervisedCluster:
 def start_cluster(request, say: Callable[[str], None] = print) -> Iterator[SupervisedCluster]:
     """The engines of one pressure level (``skyrl_cli.routing.live_bench.ClusterRequest``), each on its
     own core, started and ready; everything started is torn down on the way out."""
-    import os
-
-    from skyrl_cli.plan.inference import all_engine_urls, engine_specs
-    from skyrl_contracts.ports import find_free_ports
-
     recipe = request.recipe
     machine = Machine(device="cpu", engine_cores=tuple(sorted(os.sched_getaffinity(0))))
     *ports, router_port, prometheus_port = find_free_ports(recipe.inference.engines + 2)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from skyrl_cli.launch.tiny_model import build_tiny_model_dir
 from skyrl_cli.routing import calibrate as cal
 from skyrl_cli.routing import live as lv
 from skyrl_cli.routing.policies import make_policy
@@ -34,7 +35,7 @@ from skyrl_cli.routing.workload import WorkloadSpec, working_set_per_replica
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.errors import LaunchError
 from skyrl_contracts.rundir import RunDir
-from skyrl_contracts.schema import Recipe
+from skyrl_contracts.schema import Recipe, TinyModelInit
 
 if TYPE_CHECKING:
     from skyrl_cli.routing.cluster import SupervisedCluster
@@ -120,9 +121,6 @@ def live_recipe(policy: str, kv_cache_bytes: int, max_model_len: int) -> Recipe:
 
 def build_live_model(model_dir: str | Path) -> list[int]:
     """The tiny random model and its character tokenizer; returns the token ids prompts may use."""
-    from skyrl_cli.launch.tiny_model import build_tiny_model_dir
-    from skyrl_contracts.schema import TinyModelInit
-
     return build_tiny_model_dir(TinyModelInit(**LIVE_MODEL), LIVE_ALPHABET, model_dir)
 
 

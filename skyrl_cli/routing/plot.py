@@ -9,9 +9,11 @@ from skyrl_cli.routing.sweep import SweepRow
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: str | Path, title: str = "") -> Path:
+    # lazy: matplotlib; skyrl --help and the light commands stay light
     import matplotlib
 
     matplotlib.use("Agg")  # no display here, and none wanted
+    # lazy: matplotlib; skyrl --help and the light commands stay light
     import matplotlib.pyplot as plt
 
     # Left to right = increasing pressure = decreasing KV capacity / working set.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skyrl_cli.metrics.summary import summarize
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.events import MetricEvent, iter_events
 from skyrl_contracts.rundir import RUNS_ROOT, RunDir
@@ -118,8 +119,6 @@ def _status(summary: dict[str, Any] | None, run: RunDir, now: float) -> str:
 
 def run_info(path: Path, now: float | None = None) -> RunInfo:
     """``path``'s name (the recipe's), stage, status, steps, wall time and final figures."""
-    from skyrl_cli.metrics.summary import summarize
-
     run = RunDir(path)
     events = list(iter_events(run.events))
     ended = _ended_summary(run, events)

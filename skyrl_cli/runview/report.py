@@ -17,6 +17,7 @@ from pathlib import Path
 
 from skyrl_cli.runview.catalog import HEADLINE, RunInfo, final_rows, run_info, short_labels
 from skyrl_cli.runview.curves import REPORT_PANELS, Curve, Panel, load_curves, panel_curves
+from skyrl_contracts.atomic import write_bytes, write_text
 
 PANEL_HEIGHT_IN = 3.0
 FIGURE_WIDTH_IN = 12.0
@@ -62,6 +63,7 @@ def _png(figure) -> bytes:
 
 
 def _figure(rows: int):
+    # lazy: matplotlib; skyrl --help and the light commands stay light
     from matplotlib.figure import Figure  # Agg canvas for savefig: no display, no pyplot
 
     figure = Figure(figsize=(FIGURE_WIDTH_IN, PANEL_HEIGHT_IN * max(rows, 1)), layout="constrained")
@@ -142,8 +144,6 @@ def report_html(runs: list[ReportedRun], images: list[tuple[Panel, bytes]]) -> s
 
 def write_report(paths: list[Path], out_dir: Path, panels: tuple[Panel, ...] = REPORT_PANELS) -> tuple[Path, Path]:
     """``out_dir/report.png`` and ``out_dir/report.html`` of the runs at ``paths``."""
-    from skyrl_contracts.atomic import write_bytes, write_text
-
     runs = load_runs(paths)
     shown = panels_with_data(panels, runs)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from skyrl_cli.launch.interrupts import reported
 from skyrl_cli.stages.output import OutputMode, output_sinks
+from skyrl_contracts.errors import LaunchError
 
 if TYPE_CHECKING:  # pydantic stays out of `skyrl --help`
     from skyrl_contracts.schema import Recipe
@@ -31,12 +34,9 @@ def run_job(
     (``interrupt_hints``: what its message tells the user to run next). ``prepared``: the caller
     prepared the run directory (node 0 of a run across nodes, before the others join); ``watch``:
     called at every tick (``skyrl_cli.launch.nodes.Rendezvous.check``: a dead node ends the job)."""
-    import time
-
-    from skyrl_cli.launch.interrupts import reported
+    # lazy: skyrl --help imports this module; these stay out of it
     from skyrl_cli.launch.supervisor import Supervisor, job_failure
     from skyrl_cli.metrics.follow import FollowedRun
-    from skyrl_contracts.errors import LaunchError
     from skyrl_contracts.rundir import RunDir
 
     if not prepared:

@@ -11,11 +11,19 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from skyrl_cli.engines.stack import check_remote_engines, launch_inference
+from skyrl_cli.launch.interrupts import reported
+from skyrl_cli.launch.supervisor import Supervisor
+from skyrl_cli.metrics.follow import FollowedRun
+from skyrl_cli.plan.build import build_plan
+from skyrl_cli.plan.rl import init_model_dir
 from skyrl_cli.stages.job import run_job
 from skyrl_cli.stages.output import output_sinks, print_plan
 from skyrl_cli.stages.pool import attach_engines, explain_choice, held, pick_pool, start_on_pool
 from skyrl_cli.stages.results import initial_and_final_accuracy, publish_final_int4, publish_final_model
-from skyrl_contracts.errors import UsageError
+from skyrl_contracts.atomic import remove_leftovers
+from skyrl_contracts.errors import LaunchError, UsageError
+from skyrl_contracts.events import EventWriter
 from skyrl_contracts.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -67,7 +75,6 @@ def rl_here(request: StageRequest) -> dict | None:
         if not request.json_:
             explain_choice(pool, not_fitting, plan)
         return None
-    from skyrl_cli.engines.stack import check_remote_engines  # light: httpx only
 
     check_remote_engines(request.recipe.inference.urls)  # before the SFT stage, engines or trainer start
     with held(pool, request.directory):  # from before an SFT stage that runs first: no run takes it meanwhile
@@ -87,8 +94,6 @@ def rl_here(request: StageRequest) -> dict | None:
 
 def ensure_initial_policy(recipe, mode) -> None:
     """``init_from = "sft"``: run the recipe's SFT stage first when its output does not exist."""
-    from skyrl_cli.plan.rl import init_model_dir
-
     init = init_model_dir(recipe)
     if (init / "config.json").exists():
         return
@@ -96,7 +101,6 @@ def ensure_initial_policy(recipe, mode) -> None:
         raise UsageError(f"rl.init_from: no model at {init}")
     if recipe.sft is None:
         raise UsageError('rl.init_from = "sft" but the recipe has no [sft] section and no SFT output exists')
-    from skyrl_cli.plan.build import build_plan
 
     typer.echo(f"rl: no SFT output at {init}; running the recipe's SFT stage first", err=True)
     sft_dir = init.parent
@@ -117,8 +121,6 @@ def ensure_initial_policy(recipe, mode) -> None:
 def clear_exchange(run_dir: RunDir) -> None:
     """Batches, stop requests and the LATEST pointer belong to the processes of one launch: a
     resumed learner republishes the policy it restarts from, and nothing stale may be read first."""
-    from skyrl_contracts.atomic import remove_leftovers
-
     for folder in (run_dir.batches, run_dir.control):
         shutil.rmtree(folder, ignore_errors=True)
     for pointer in (run_dir.latest_weights, run_dir.current_weights):  # engines start on v0
@@ -139,11 +141,6 @@ def run_prepared_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, 
     """An RL run in a prepared run directory, from its setup jobs to ``final/``; returns the summary.
     ``nodes``: node 0 of a run across nodes, its ``skyrl_cli.stages.nodes.NodeHooks`` (not imported
     here: that module runs this one)."""
-    from skyrl_cli.launch.interrupts import reported
-    from skyrl_cli.launch.supervisor import Supervisor
-    from skyrl_cli.metrics.follow import FollowedRun
-    from skyrl_contracts.events import EventWriter
-
     sinks = output_sinks(mode, recipe, directory, title="rl --async" if plan.async_mode else "rl")
     started, started_at = time.monotonic(), time.time()
     step = lambda: run_dir.latest_weights_version() or 0  # noqa: E731
@@ -189,8 +186,6 @@ def start_own_engines(supervisor, plan, directory: Path, *, writer, step_fn, pro
     """The run's own engines and router (``launch_inference``); returns them and the plan the run
     goes on with: node 0 of a run across nodes re-plans with the other nodes' engines before its
     router starts, so the router and the jobs get them."""
-    from skyrl_cli.engines.stack import launch_inference  # light: httpx only
-
     order = plan.start_order()  # the one statement of what starts when
     progress.phase = "engine start-up"
     (router,) = order.router
@@ -230,7 +225,6 @@ def run_setup_jobs(supervisor, setup, progress) -> None:
 def run_jobs(supervisor, plan, stack, run, progress, watch=None, pool=None) -> None:
     """Start the orchestrator and the learner (on a pool, its warm ones when they fit) and wait for
     both: the first one to fail (or be killed) raises ``LaunchError`` at once, naming it and its log."""
-    from skyrl_contracts.errors import LaunchError
 
     def tick() -> None:
         run.poll()

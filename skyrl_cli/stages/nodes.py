@@ -14,11 +14,31 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from skyrl_cli.engines.stack import check_remote_engines
+from skyrl_cli.launch.interrupts import reported
+from skyrl_cli.launch.nodes import Rendezvous
+from skyrl_cli.launch.supervisor import Supervisor, job_failure
+from skyrl_cli.plan.feasibility import assert_feasible
+from skyrl_cli.plan.inference import ENGINE_READY_TIMEOUT_S
+from skyrl_cli.plan.nodes import (
+    TRAINER_IFNAME_VARS,
+    NodeContext,
+    cluster_address,
+    cluster_layout,
+    detect_own_address,
+    interface_of,
+    node_rank,
+    plan_cluster,
+    plan_node,
+    slurm_rank,
+)
+from skyrl_cli.plan.rl import init_model_dir
 from skyrl_cli.stages.job import run_job
 from skyrl_cli.stages.local import clear_exchange, run_prepared_rl
 from skyrl_cli.stages.output import print_plan, say
-from skyrl_contracts.errors import UsageError
-from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.atomic import write_json
+from skyrl_contracts.errors import LaunchError, UsageError
+from skyrl_contracts.rundir import RunDir, recipe_hash
 
 if TYPE_CHECKING:
     from skyrl_cli.stages.request import StageRequest
@@ -39,16 +59,6 @@ class NodeRun:
 def node_run(recipe, node_rank_flag: int | None, *, need_address: bool = True) -> NodeRun | None:
     """The layout and this node's place in it, or None for a run on one machine (where
     ``--node-rank`` is refused: it would act on nothing)."""
-    from skyrl_cli.plan.nodes import (
-        TRAINER_IFNAME_VARS,
-        NodeContext,
-        cluster_address,
-        cluster_layout,
-        detect_own_address,
-        interface_of,
-        node_rank,
-    )
-
     layout = cluster_layout(recipe)
     if layout is None:
         if node_rank_flag is not None and node_rank_flag != 0:
@@ -67,8 +77,6 @@ def node_run(recipe, node_rank_flag: int | None, *, need_address: bool = True) -
 
 def dry_run(request: StageRequest, node: NodeRun) -> None:
     """Every node's plan (``--node-rank``: that node's only)."""
-    from skyrl_cli.plan.nodes import plan_cluster, slurm_rank
-
     shown = [node.rank] if request.node_rank is not None or slurm_rank(os.environ)[1] is not None else None
     data = plan_cluster(
         request.recipe,
@@ -86,9 +94,6 @@ def dry_run(request: StageRequest, node: NodeRun) -> None:
 
 
 def rendezvous(request: StageRequest, node: NodeRun):
-    from skyrl_cli.launch.nodes import Rendezvous
-    from skyrl_contracts.rundir import recipe_hash
-
     layout = node.layout
     peers = None
     if node.rank == 0:
@@ -108,9 +113,6 @@ def rendezvous(request: StageRequest, node: NodeRun):
 
 def plan_here(request: StageRequest, node: NodeRun, *, machine=None, remote_urls=None):
     """This node's plan, for ``machine`` (default: the request's look at this host)."""
-    from skyrl_cli.plan.feasibility import assert_feasible
-    from skyrl_cli.plan.nodes import plan_node
-
     machine = request.machine if machine is None else machine
     assert_feasible(request.recipe, machine)
     return plan_node(
@@ -209,10 +211,6 @@ def run_rl_on_node(request: StageRequest, node: NodeRun) -> dict | None:
     """One node's share of an RL run across nodes: node 0 runs the stage as on one machine with the
     other nodes' engines (the summary is its); the others start their engines and trainer ranks and
     run until node 0 ends the run (None)."""
-    from skyrl_cli.plan.inference import ENGINE_READY_TIMEOUT_S
-    from skyrl_cli.plan.rl import init_model_dir
-    from skyrl_contracts.atomic import write_json
-
     if node.rank != 0:
         run_peer(request, node)
         return None
@@ -223,7 +221,6 @@ def run_rl_on_node(request: StageRequest, node: NodeRun) -> dict | None:
             "run skyrl sft with the same recipe first (on the trainer nodes)" if recipe.rl.init_from == "sft" else ""
         )
         raise UsageError(f"rl.init_from: no model at {init}" + (f"; {first}" if first else ""))
-    from skyrl_cli.engines.stack import check_remote_engines  # light: httpx only
 
     check_remote_engines(recipe.inference.urls)  # engines outside the layout, as on one machine
     recording, replaying = replaying_ports(request.machine)
@@ -261,11 +258,6 @@ def gather_engines(rdv, layout, timeout_s: float) -> list[str]:
 def run_peer(request: StageRequest, node: NodeRun) -> None:
     """A node other than node 0: join, start this node's processes once node 0 is ready for them,
     report its engines, and run until node 0 ends the run (or this node's job ends, when it only trains)."""
-    from skyrl_cli.launch.interrupts import reported
-    from skyrl_cli.launch.supervisor import Supervisor, job_failure
-    from skyrl_contracts.atomic import write_json
-    from skyrl_contracts.errors import LaunchError
-
     stage, directory, mode = request.stage, request.directory, request.mode
     paths = RunDir(directory)
     with rendezvous(request, node) as rdv:
@@ -312,9 +304,6 @@ def run_peer(request: StageRequest, node: NodeRun) -> None:
 
 def wait_ready_watching(supervisor, names, rdv, watch_jobs=()) -> None:
     """``supervisor.wait_ready`` in short slices, checking the other nodes between them."""
-    from skyrl_cli.plan.inference import ENGINE_READY_TIMEOUT_S
-    from skyrl_contracts.errors import LaunchError
-
     deadline = time.monotonic() + ENGINE_READY_TIMEOUT_S
     while True:
         try:

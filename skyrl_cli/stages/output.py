@@ -21,6 +21,7 @@ OutputMode = Literal["live", "quiet", "json"]
 
 def output_sinks(mode: OutputMode, recipe: Recipe, run_dir: Path, title: str):
     """The sinks for an output mode, plus W&B if the recipe enables it (a ``SinkGroup``)."""
+    # lazy: skyrl --help imports this module; these stay out of it
     from skyrl_cli.metrics.live import LiveView
     from skyrl_cli.metrics.sinks import JsonLinesSink, SinkGroup, SummaryPrinter
     from skyrl_cli.metrics.wandb_sink import wandb_sink_for

@@ -7,11 +7,17 @@ engines and the router running when it ends (``skyrl_cli.engines.pool`` is the p
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
+from skyrl_cli.engines.pool import check_attached_model, choose_pool, leased
+from skyrl_cli.engines.stack import attach_inference
+from skyrl_cli.engines.standby import misfit, start_warm
+from skyrl_cli.plan.pool import WARM_NAMES
+from skyrl_cli.plan.rl import init_model_dir
 from skyrl_contracts.errors import UsageError
 
 if TYPE_CHECKING:
@@ -29,9 +35,6 @@ def refuse_across_nodes(request: StageRequest) -> None:
 def pick_pool(requested: str, recipe, own_plan):
     """The engine pool the run uses (``skyrl_cli.engines.pool.choose_pool``) and, for --dry-run,
     why each other pool does not fit."""
-    from skyrl_cli.engines.pool import choose_pool
-    from skyrl_cli.plan.rl import init_model_dir
-
     return choose_pool(requested, own_plan, recipe.inference.engines, init_model_dir(recipe))
 
 
@@ -45,9 +48,6 @@ def explain_choice(pool, not_fitting: list[str], plan) -> None:
 
 def pool_warm_use(pool, plan) -> str:
     """For --dry-run: which of the run's processes would go to the pool's warm ones, and why not."""
-    from skyrl_cli.engines.standby import misfit
-    from skyrl_cli.plan.pool import WARM_NAMES
-
     words = []
     states = pool.warm_state()
     for spec in plan.processes:
@@ -61,18 +61,12 @@ def pool_warm_use(pool, plan) -> str:
 
 def held(pool, run_dir: Path):
     """The pool's lock for the run (a busy pool is refused in one line), or nothing without a pool."""
-    import contextlib
-
-    from skyrl_cli.engines.pool import leased
-
     return leased(pool, run_dir) if pool is not None else contextlib.nullcontext()
 
 
 def attach_engines(supervisor, pool, recipe, plan, directory: Path, *, writer, step_fn, progress):
     """The pool's engines and router in place of the run's own (``attach_inference``), once the
     initial weights are loaded into them; the jobs that start beside the engines start meanwhile."""
-    from skyrl_cli.engines.stack import attach_inference  # light: httpx only
-
     progress.phase = f"loading the initial weights into engine pool {pool.name}"
     attach_checks(pool, recipe)
     for spec in plan.start_order().beside_engines:  # the learner's start-up overlaps the weight load
@@ -84,8 +78,6 @@ def attach_engines(supervisor, pool, recipe, plan, directory: Path, *, writer, s
 def start_on_pool(supervisor, spec, pool) -> None:
     """A run's process on a pool: the learner and the orchestrator go to the pool's warm ones
     when they fit (``skyrl_cli.engines.standby``), everything else starts."""
-    from skyrl_cli.engines.standby import start_warm
-
     if pool is not None and spec.role in pool.warm:
         start_warm(supervisor, spec, pool.warm[spec.role].spec, pool.warm_folder(spec.role))
     else:
@@ -94,7 +86,4 @@ def start_on_pool(supervisor, spec, pool) -> None:
 
 def attach_checks(pool, recipe) -> None:
     """What the pool's fit could not check before the SFT stage that ran first wrote the model."""
-    from skyrl_cli.engines.pool import check_attached_model
-    from skyrl_cli.plan.rl import init_model_dir
-
     check_attached_model(pool, init_model_dir(recipe))

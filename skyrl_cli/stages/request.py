@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from skyrl_cli.plan.build import build_plan
 from skyrl_cli.stages.output import OutputMode
 
 if TYPE_CHECKING:  # pydantic stays out of `skyrl --help`
@@ -42,8 +43,6 @@ class StageRequest:
 
     def plan(self, pool: PoolAttachment | None = None):
         """The stage's plan on this machine (``pool``: RL with that engine pool's engines)."""
-        from skyrl_cli.plan.build import build_plan
-
         return build_plan(
             self.recipe,
             self.stage,

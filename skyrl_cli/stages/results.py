@@ -6,6 +6,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from skyrl_cli.metrics.summary import wall_time_text
+from skyrl_contracts.atomic import publish_dir
+from skyrl_contracts.events import iter_events
 from skyrl_contracts.rundir import CHECKPOINT_MODEL, RunDir
 
 
@@ -13,8 +16,6 @@ def publish_final_model(run_dir: RunDir) -> None:
     """``final/``: the newest checkpoint's HF model (the learner checkpoints its last step).
 
     Built next to it and published whole, so a crash here keeps the previous ``final/``."""
-    from skyrl_contracts.atomic import publish_dir
-
     newest = run_dir.latest_checkpoint()
     if newest is None:
         return
@@ -26,8 +27,6 @@ def publish_final_model(run_dir: RunDir) -> None:
 def publish_final_int4(run_dir: RunDir, recipe) -> bool:
     """INT4 rollouts: ``int4/`` (the initial policy's export the engines started from) becomes the
     last version they served, the learner's W4A16 export of its final weights."""
-    from skyrl_contracts.atomic import publish_dir
-
     version = run_dir.latest_weights_version()
     if recipe.quantization is None or not recipe.quantization.int4_rollouts or version is None:
         return False
@@ -38,8 +37,6 @@ def publish_final_int4(run_dir: RunDir, recipe) -> bool:
 
 
 def initial_and_final_accuracy(run_dir: RunDir) -> dict:
-    from skyrl_contracts.events import iter_events
-
     accuracy = [e for e in iter_events(run_dir.events) if e.name == "eval/accuracy"]
     if not accuracy:
         return {}
@@ -51,8 +48,6 @@ def initial_and_final_accuracy(run_dir: RunDir) -> dict:
 
 
 def rl_final_line(summary: dict, directory: Path) -> str:
-    from skyrl_cli.metrics.summary import wall_time_text
-
     parts = []
     if "eval_accuracy_final" in summary:
         parts.append(
@@ -68,8 +63,6 @@ def rl_final_line(summary: dict, directory: Path) -> str:
 
 
 def sft_final_line(summary: dict, directory: Path) -> str:
-    from skyrl_cli.metrics.summary import wall_time_text
-
     metrics = summary.get("metrics", {})
     parts = []
     if "eval/accuracy" in metrics:

@@ -10,7 +10,11 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from skyrl_cli.plan.nodes import cluster_layout
+from skyrl_cli.plan.slurm import sbatch_script
+from skyrl_cli.recipe.registry import resolve_recipe_arg
 from skyrl_contracts.errors import LaunchError, UsageError
+from skyrl_contracts.rundir import RunDir
 
 if TYPE_CHECKING:
     from skyrl_cli.stages.request import StageRequest
@@ -22,7 +26,6 @@ def submit(request: StageRequest) -> None:
     if request.dry_run:
         typer.echo(script, nl=False)
         return
-    from skyrl_contracts.rundir import RunDir
 
     path = RunDir(request.directory).slurm_script(request.stage)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,10 +43,6 @@ def submit(request: StageRequest) -> None:
 
 
 def sbatch_script_for(request: StageRequest) -> str:
-    from skyrl_cli.plan.nodes import cluster_layout
-    from skyrl_cli.plan.slurm import sbatch_script
-    from skyrl_cli.recipe.registry import resolve_recipe_arg
-
     layout = cluster_layout(request.recipe)
     if layout is None or layout.legacy:
         raise UsageError("--slurm: the recipe needs a [cluster] section (nodes, trainer_nodes, inference_nodes)")

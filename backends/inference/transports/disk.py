@@ -4,6 +4,7 @@ which every engine reloads in place. Runs everywhere, and is what the others fal
 from __future__ import annotations
 
 from backends.inference.transports.publishers import FilePublisher, full_weights_gather
+from backends.inference.weight_sync import EngineWeights
 
 
 def publisher(exchange, dist, export, recipe, first_version, sender):
@@ -11,6 +12,4 @@ def publisher(exchange, dist, export, recipe, first_version, sender):
 
 
 def engine_loader(recipe, run_dir, engine_urls):
-    from backends.inference.weight_sync import EngineWeights
-
     return EngineWeights(engine_urls, run_dir, reset_prefix_cache=recipe.rl.async_.reset_prefix_cache)

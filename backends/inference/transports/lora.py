@@ -4,6 +4,7 @@ engines load under a versioned name beside the base they never reload."""
 from __future__ import annotations
 
 from backends.inference.transports.publishers import FilePublisher
+from backends.inference.weight_sync import EngineAdapters
 
 
 def publisher(exchange, dist, export, recipe, first_version, sender):
@@ -12,6 +13,4 @@ def publisher(exchange, dist, export, recipe, first_version, sender):
 
 
 def engine_loader(recipe, run_dir, engine_urls):
-    from backends.inference.weight_sync import EngineAdapters
-
     return EngineAdapters(engine_urls, run_dir)

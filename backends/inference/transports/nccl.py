@@ -4,8 +4,10 @@ up, goes as ``disk`` files, which the engine side reloads as ``disk`` does."""
 
 from __future__ import annotations
 
+from backends.inference.nccl_sync import NcclEngineWeights
 from backends.inference.transports import disk
 from backends.inference.transports.publishers import NcclFirstVersionAsFiles
+from skyrl_contracts.exchange import RunExchange
 
 
 def publisher(exchange, dist, export, recipe, first_version, sender):
@@ -14,8 +16,5 @@ def publisher(exchange, dist, export, recipe, first_version, sender):
 
 
 def engine_loader(recipe, run_dir, engine_urls):
-    from backends.inference.nccl_sync import NcclEngineWeights
-    from skyrl_contracts.exchange import RunExchange
-
     reset = recipe.rl.async_.reset_prefix_cache
     return NcclEngineWeights(engine_urls, run_dir, RunExchange(run_dir), reset_prefix_cache=reset)

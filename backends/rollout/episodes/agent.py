@@ -36,6 +36,7 @@ class AgentEpisodes:
     """``EpisodeRunner`` for agent programs. ``server`` exists from ``start`` to ``stop``."""
 
     first_turn_wait_s = AGENT_FIRST_CALL_WAIT_S
+    server_class = AgentServer  # the endpoint the trajectories call (a subclass may add routes)
 
     def __init__(self, recipe: Recipe, tokenizer):
         self.recipe, self.rl, self.tokenizer = recipe, recipe.rl, tokenizer
@@ -44,7 +45,7 @@ class AgentEpisodes:
         self.server: AgentServer | None = None
 
     async def start(self, client, stop_ids: Sequence[int]) -> None:
-        self.server = AgentServer(
+        self.server = self.server_class(
             client,
             self.tokenizer,
             self.tool_use.parser if self.tool_use else None,

@@ -42,7 +42,7 @@ NOT_EXTRAS = ("prompt", "env_class")
 
 def import_skyrl_gym():
     try:
-        import skyrl_gym
+        import skyrl_gym  # lazy: the error below names how to install it
     except ImportError as exc:
         raise UsageError(f"rl.environment = skyrl_gym:... needs the skyrl-gym package ({INSTALL}): {exc}") from exc
     return skyrl_gym
@@ -90,7 +90,7 @@ class SkyRLGymEnvironment(Environment):
         self.step_metrics: dict[str, list[float]] = {}
 
     def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
-        from omegaconf import OmegaConf  # skyrl-gym's own dependency
+        from omegaconf import OmegaConf  # lazy: skyrl-gym's own dependency, there where it is
 
         skyrl_gym = import_skyrl_gym()
         env_class = row_env_class(row, self.default_id)

@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotations in these globals
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from backends.rollout.agents import AgentServer, samples_from_calls
 from backends.rollout.environments import Episode
@@ -63,7 +65,7 @@ API_KEY_VAR = "SKYRL_VERIFIERS_API_KEY"  # unset: verifiers sends "EMPTY", which
 
 def import_verifiers():
     try:
-        import verifiers.v1 as vf
+        import verifiers.v1 as vf  # lazy: an optional extra; the error below names how to install it
     except ImportError as exc:
         raise UsageError(f"rl.environment = verifiers:... needs the verifiers package ({INSTALL}): {exc}") from exc
     return vf
@@ -96,7 +98,6 @@ def env_table(recipe: Recipe) -> dict[str, Any]:
 def resolved_config(table: Mapping[str, Any], ref: str):
     """verifiers' ``EnvConfig`` for the table, every failure a one-line ``UsageError``."""
     vf = import_verifiers()
-    from pydantic import ValidationError
 
     try:
         return vf.resolve_env_config(copy.deepcopy(dict(table)))
@@ -117,6 +118,7 @@ def role_defaults(config, table: Mapping[str, Any], max_turns: int | None) -> di
     a harness that needs no sandbox (verifiers' own default is a remote Prime sandbox), and
     ``rl.max_turns`` as the seat's turn limit, which verifiers ends gracefully and still scores
     (the endpoint's cap would fail the episode instead)."""
+    # lazy: verifiers is an optional extra; import_verifiers (at load_env) names how to install it
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.loaders import harness_class
 
@@ -144,6 +146,7 @@ def with_role_defaults(table: Mapping[str, Any], updates: Mapping[str, Mapping[s
 
 def refusals(config, env) -> list[str]:
     """Why this environment cannot run beside the trainer (empty: it can)."""
+    # lazy: verifiers is an optional extra; import_verifiers (at load_env) names how to install it
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.interception import requires_tunnel
     from verifiers.v1.utils.loaders import harness_class
@@ -262,8 +265,6 @@ class VerifiersEndpoint(AgentServer):
         self.routes: dict[str, str] = {}  # verifiers trace id -> our session id
 
     def app(self):
-        from fastapi.responses import JSONResponse, Response
-
         app = super().app()
 
         @app.post(f"{ROUTE}/chat/completions")
@@ -290,7 +291,7 @@ class VerifiersEndpoint(AgentServer):
 
 def sse_events(completion: Mapping[str, Any]) -> list[bytes]:
     """A whole chat completion as the stream verifiers' chat dialect parses (its own framing)."""
-    from verifiers.v1.dialects.chat import ChatDialect
+    from verifiers.v1.dialects.chat import ChatDialect  # lazy: verifiers is an optional extra
 
     return ChatDialect().stream_events(dict(completion))
 
@@ -356,27 +357,20 @@ class VerifiersEpisodes(AgentEpisodes):
     rollout of the row's task; the env serves (interception, shared tool servers) from ``start``
     to ``stop``."""
 
+    server_class = VerifiersEndpoint
+
     def __init__(self, recipe: Recipe, tokenizer):
         self.recipe, self.rl, self.tokenizer = recipe, recipe.rl, tokenizer
+        self.server = None
         self.env, self.config = load_env(recipe)
         ensure_uv()
         self.make_task = task_maker(self.env)
         self.tool_use = tool_use(recipe, tokenizer)
-        self.server: VerifiersEndpoint | None = None
         self.serving: contextlib.AsyncExitStack | None = None
         self.context = None  # verifiers' ModelContext: the policy on the endpoint
 
     async def start(self, client, stop_ids: Sequence[int]) -> None:
-        self.server = VerifiersEndpoint(
-            client,
-            self.tokenizer,
-            self.tool_use.parser if self.tool_use else None,
-            self.rl.max_new_tokens,
-            stop_ids,
-            self.rl.temperature,
-            max_calls=turn_limit(self.recipe),
-        )
-        await self.server.start()
+        await super().start(client, stop_ids)
         self.context = model_context(self.server.port)
         self.serving = contextlib.AsyncExitStack()
         await self.serving.enter_async_context(self.env.serving())
@@ -388,8 +382,6 @@ class VerifiersEpisodes(AgentEpisodes):
 
     def check_rows(self, rows: Sequence[Mapping[str, Any]], source: str) -> None:
         """Every row is its task's data, before any engine work."""
-        from pydantic import ValidationError
-
         for index, row in enumerate(rows):
             try:
                 self.make_task(row)

@@ -20,8 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as tdist
 
 from backends.train.microbatch import IGNORE, laid_out, right_padded, row_positions, token_logprobs
+from backends.train.packing import dynamic_layout
+from backends.train.rl.advantages import compute_advantages
+from backends.train.rl.losses import LossNormalizer, kl_loss, merge_metrics, policy_loss
+from backends.train.rl.minibatch import group_slices
+from backends.train.rl.off_policy import logprob_diff_metrics, off_policy_correction
 from skyrl_contracts.losses import ADVANTAGE_KINDS, loss_reduction
 
 
@@ -58,10 +64,6 @@ class RLStep:
 
     def slices(self, samples, rows) -> list[Update]:
         """The step's slices (whole groups), each laid out in micro-batches for this rank."""
-        from backends.train.packing import dynamic_layout
-        from backends.train.rl.losses import LossNormalizer
-        from backends.train.rl.minibatch import group_slices
-
         updates = []
         # a trajectory longer than max_new_tokens x turns (an agent's calls, uncapped) must not exceed the bound
         longest = max((len(s.loss_mask) for s in samples), default=0)
@@ -100,9 +102,6 @@ class RLStep:
     def loss(self, mb: Tensors, normalizer, metrics: dict, first_epoch: bool) -> torch.Tensor:
         """One micro-batch's share of its slice's loss: policy loss under the off-policy correction,
         plus the KL term; its metrics merged into ``metrics``."""
-        from backends.train.rl.losses import kl_loss, merge_metrics, policy_loss
-        from backends.train.rl.off_policy import logprob_diff_metrics, off_policy_correction
-
         rl = self.rl
         logprobs = self.logprobs(self.engine, mb)
         proximal = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
@@ -228,8 +227,6 @@ def padding_tensors(pad_id: int) -> Tensors:
 
 
 def batch_advantages(samples, rl) -> torch.Tensor:
-    from backends.train.rl.advantages import compute_advantages
-
     width = max(1, max(len(s.response_ids) for s in samples))
     mask = torch.zeros((len(samples), width))
     for i, s in enumerate(samples):
@@ -256,8 +253,6 @@ def trajectory_rows(samples) -> list[int]:
 
 def reduce_metrics(metrics: dict[str, float], device) -> dict[str, float]:
     """Sum shares over ranks; ``_max`` / ``_min`` keys by max / min (see rl.losses.merge_metrics)."""
-    import torch.distributed as tdist
-
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
         return metrics
     # Every rank must contribute the same keys in the same order: gather the key sets first.
