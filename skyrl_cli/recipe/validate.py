@@ -344,7 +344,8 @@ def data_problems(recipe: Recipe) -> list[Problem]:
         problems.append(
             Problem(
                 ("data", "flawed_demos"),
-                f"flawed demonstrations exist for the built-in tasks {', '.join(sorted(TASKS_WITH_A_FLAW))} only, "
+                f"flawed demonstrations exist for the built-in tasks {', '.join(sorted(TASKS_WITH_A_FLAW))} "
+                "and reasoning-gym tasks only, "
                 f"not for {what}",
             )
         )

@@ -10,7 +10,10 @@ import pytest
 
 from .conftest import REPO, run_console_script
 
-HEAVY = ("torch", "vllm", "deepspeed", "transformers", "wandb", "peft", "torchao", "matplotlib")
+HEAVY = (
+    *("torch", "vllm", "deepspeed", "transformers", "wandb", "peft", "torchao", "matplotlib"),
+    *("reasoning_gym", "skyrl_gym", "verifiers"),  # the environment libraries: checked without importing them
+)
 
 PROBE = """
 import json, sys
@@ -28,6 +31,8 @@ print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))
     [
         ["--help"],
         ["recipes", "validate", "recipes/quickstart.toml"],
+        ["recipes", "validate", "recipes/reasoning_gym.toml"],
+        ["recipes", "validate", "recipes/environments/skyrl_gym.toml"],
         ["recipes", "ls"],
         ["completions", "bash"],
         ["runs", "ls"],
