@@ -195,6 +195,11 @@ class Episode:
     env_metrics: dict[str, float] = field(default_factory=dict)  # Environment.metrics(), numbers only
     messages: Messages = field(default_factory=list)  # the conversation: prompt, raw model turns, observations
 
+    def env_metric_info(self) -> dict[str, float]:
+        """``env/<name>`` of each environment metric: what a sample carries into the step's
+        ``rollout/env/<name>`` (``backends.rollout.trainer_feed.environment_metrics``)."""
+        return {f"env/{key}": value for key, value in self.env_metrics.items()}
+
     def fail(self, error: str) -> "Episode":
         self.error, self.reward = error, 0.0
         return self

@@ -80,7 +80,7 @@ class AgentEpisodes:
         return parts, episode
 
     def sample_info(self, episode, parts) -> dict[str, float]:
-        return {"agent_calls": episode.turns, "agent_samples": len(parts)}
+        return {"agent_calls": episode.turns, "agent_samples": len(parts), **episode.env_metric_info()}
 
     def sample_turns(self, part, episode) -> int:
         return part.num_turns if part is not None else episode.turns

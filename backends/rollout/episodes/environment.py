@@ -140,7 +140,7 @@ class EnvironmentEpisodes:
         return TurnText(self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), raw)
 
     def sample_info(self, episode, parts) -> dict[str, float]:
-        info = {f"env/{key}": value for key, value in episode.env_metrics.items()}
+        info = episode.env_metric_info()
         if self.tool_use is not None:
             info |= {"tool_calls": episode.tool_calls, "tool_errors": len(episode.tool_errors)}
         return info

@@ -93,9 +93,7 @@ class SkyRLGymEnvironment(Environment):
         from omegaconf import OmegaConf  # lazy: skyrl-gym's own dependency, there where it is
 
         skyrl_gym = import_skyrl_gym()
-        env_class = row_env_class(row, self.default_id)
-        if env_class not in skyrl_gym.registry:
-            raise ValueError(unregistered(env_class, "row's env_class"))
+        env_class = row_env_class(row, self.default_id)  # registered: SkyRLGymEpisodes.check_rows
         extras = {k: copy.deepcopy(v) for k, v in row.items() if k not in NOT_EXTRAS}
         extras["max_turns"] = self.max_turns
         config = OmegaConf.create(dict(self.env_config.get(env_class, {})))

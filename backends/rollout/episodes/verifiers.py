@@ -312,7 +312,7 @@ def model_context(port: int):
 class Outcome:
     reward: float = 0.0
     error: str | None = None
-    info: dict[str, float] = field(default_factory=dict)
+    info: dict[str, float] = field(default_factory=dict)  # the traces' named rewards and metrics
 
 
 def one_line(text: str, limit: int = 400) -> str:
@@ -332,7 +332,7 @@ def episode_error(episode) -> str | None:
 
 
 def trace_signals(trace) -> dict[str, float]:
-    """A trace's named rewards and metrics, each a number (``env/<name>`` metrics of the step)."""
+    """A trace's named rewards and metrics, each a number (``rollout/env/<name>`` of the step)."""
     out = {name: r.score for name, r in trace.rewards.items() if r is not None}
     out |= {name: float(v) for name, v in trace.metrics.items() if isinstance(v, (int, float))}
     return out
@@ -348,7 +348,7 @@ def outcome_of(episode) -> Outcome:
     for trace in traces:
         for name, value in trace_signals(trace).items():
             signals.setdefault(name, []).append(value)
-    info = {f"env/{name}": sum(values) / len(values) for name, values in signals.items()}
+    info = {name: sum(values) / len(values) for name, values in signals.items()}
     return Outcome(reward=sum(t.reward for t in traces) / len(traces), info=info)
 
 
@@ -414,7 +414,7 @@ class VerifiersEpisodes(AgentEpisodes):
         parts = samples_from_calls(trajectory.calls)
         error = outcome.error or (None if parts else "verifiers: the episode made no call to the endpoint")
         episode = Episode(reward=0.0 if error else outcome.reward, turns=len(trajectory.calls), done=True, error=error)
-        episode.step_infos.append(outcome.info)
+        episode.env_metrics = outcome.info
         return parts, episode
 
     async def rollout(self, row: Mapping[str, Any], on_trace) -> Outcome:
@@ -429,9 +429,3 @@ class VerifiersEpisodes(AgentEpisodes):
         except Exception as exc:  # noqa: BLE001 - a row the task cannot take fails its own episode
             return Outcome(error=one_line(f"verifiers: {type(exc).__name__}: {exc}"))
         return outcome_of(episode)
-
-    def sample_info(self, episode, parts) -> dict[str, float]:
-        info = super().sample_info(episode, parts)
-        for step in episode.step_infos:
-            info |= step
-        return info
