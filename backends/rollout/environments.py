@@ -265,16 +265,17 @@ async def run_episode(
 
 
 async def finish_episode(env: Environment, episode: Episode, caller: GuardedCaller) -> None:
-    """The environment's metrics, then its ``close``; a failure of either is logged on the episode
-    (its reward stands: the episode itself ended)."""
+    """The environment's metrics, then its ``close``; a failure of either is the episode's error
+    (reward 0, a record in ``sample_errors.jsonl``), as a failed ``step`` is: user code that raises
+    costs its trajectory, never the run."""
     measured = await caller.acall(env.metrics)
     if measured.error is None and isinstance(measured.value, Mapping):
         episode.env_metrics = {
             str(k): float(v) for k, v in measured.value.items() if isinstance(v, (int, float)) and v == v
         }
     closed = await caller.acall(env.close)
-    if measured.error or closed.error:
-        episode.step_infos.append({"close_error": measured.error or closed.error})
+    if episode.error is None and (measured.error or closed.error):
+        episode.fail(f"metrics: {measured.error}" if measured.error else f"close: {closed.error}")
 
 
 async def drive_episode(

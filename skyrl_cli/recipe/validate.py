@@ -215,6 +215,8 @@ LIBRARY_PACKAGES = {
     "skyrl_gym": ("skyrl_gym", 'pip install "skyrl-gym>=0.4,<0.5"'),
     "verifiers": ("verifiers", 'pip install "skyrl-cli[verifiers]"'),
 }
+# Keys of our own tool loop, which a skyrl-gym episode does not use.
+SKYRL_GYM_INERT = ("tool_parser", "tool_timeout_s", "tool_errors")
 CLASS_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -240,6 +242,9 @@ def environment_problems(recipe: Recipe) -> list[Problem]:
         if library[0] == "verifiers" and not library[1]:
             problems.append(Problem(("rl", "environment"), "name the verifiers environment: 'verifiers:<environment>'"))
     kind = library[0] if library else None
+    if kind == "skyrl_gym":  # its tool groups run inside the environment's step
+        why = "a skyrl-gym environment runs its tool groups itself, inside step(); remove this key"
+        problems += [Problem(("rl", key), why) for key in SKYRL_GYM_INERT if key in rl.model_fields_set]
     for key, wanted in (("env_config", "skyrl_gym"), ("environment_modules", "skyrl_gym"), ("env_args", "verifiers")):
         if getattr(rl, key) and kind != wanted:
             problems.append(Problem(("rl", key), f'applies to rl.environment = "{wanted}:..." only; remove this key'))

@@ -156,3 +156,33 @@ def test_factory_rejects_bad_references():
         )
     with pytest.raises(UsageError, match="must be a subclass"):
         environment_factory(_recipe(environment="tests.unit.test_rollout_environments:user_reward"))
+
+
+class ClosingEnv(GuessEnv):
+    """Counts on being closed; ``fail_in`` names the end-of-episode call that raises."""
+
+    closed = []
+
+    def __init__(self, fail_in=None):
+        self.fail_in = fail_in
+
+    def metrics(self):
+        if self.fail_in == "metrics":
+            raise RuntimeError("no numbers")
+        return {"target": self.target, "label": "not a number"}
+
+    def close(self):
+        ClosingEnv.closed.append(self.fail_in)
+        if self.fail_in == "close":
+            raise RuntimeError("database gone")
+
+
+@pytest.mark.parametrize("fail_in", [None, "metrics", "close"])
+def test_metrics_then_close_end_every_episode_and_their_failure_is_the_episodes_error(fail_in):
+    ClosingEnv.closed.clear()
+    ep, _ = _run(lambda: ClosingEnv(fail_in), {"target": 3}, ["3"])
+    assert ClosingEnv.closed == [fail_in]  # closed however it ends
+    if fail_in is None:
+        assert ep.error is None and ep.reward == 1.0 and ep.env_metrics == {"target": 3.0}
+    else:
+        assert ep.error.startswith(f"{fail_in}: ") and ep.reward == 0.0

@@ -176,6 +176,9 @@ def test_rows_without_what_their_environment_needs_name_the_row_and_field():
 
 
 def test_recipe_checks(tmp_path):
+    inert = environment_problems(recipe(environment="skyrl_gym:gsm8k", tool_parser="hermes", tool_errors="end"))
+    assert [p.path for p in inert] == [("rl", "tool_parser"), ("rl", "tool_errors")]
+    assert "runs its tool groups itself" in inert[0].message
     assert environment_problems(recipe(environment="skyrl_gym:gsm8k", env_config={"gsm8k": {}})) == []
     bad = environment_problems(recipe(environment="my_env", env_args={"a": 1}, environment_modules=["m"]))
     assert [p.path for p in bad] == [("rl", "environment"), ("rl", "environment_modules"), ("rl", "env_args")]
