@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from skyrl_contracts.schema import Recipe
+from skyrl_contracts.schema import Recipe, environment_library
 
 # "module:class" of each kind's runner (``backends.rollout.episodes.EpisodeRunner``), imported
 # only when a run takes it. A new kind is one module there, one entry here, and the rule in
@@ -38,20 +38,10 @@ EPISODE_RUNNERS: dict[str, str] = {
 }
 EpisodeKind = Literal[tuple(EPISODE_RUNNERS)]
 
-# rl.environment = "<library>:<name>" (or the bare library): an environment another library defines,
-# run by that library's own episode kind (backends.rollout.episodes.<library>).
-ENVIRONMENT_LIBRARIES = ("skyrl_gym", "verifiers")
-
 # Built-in tasks whose episodes call a tool (backends.data.tasks: a task with an environment); light
 # on purpose, the driver does not import the data layer. Their SFT evaluation has no accuracy: it
 # needs the tool loop.
 TASKS_WITH_TOOLS = frozenset({"lookup"})
-
-
-def environment_library(ref: str | None) -> tuple[str, str] | None:
-    """(library, name) of a library environment reference; name "" where only the library is given."""
-    library, _, name = (ref or "").partition(":")
-    return (library, name) if library in ENVIRONMENT_LIBRARIES else None
 
 
 def episode_kind(recipe: Recipe) -> EpisodeKind:

@@ -27,6 +27,15 @@ ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
 # rl.environment: an ImportRef, or "<library>:<name>" / "<library>" for another library's environments
 # (skyrl_contracts.episodes.environment_library; ids may hold "-", "/" and ".").
 EnvironmentRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[\w.\-/]+)?$")]
+# "<library>:<name>" (or the bare library): an environment another library defines, run by that
+# library's own episode kind (backends.rollout.episodes.<library>).
+ENVIRONMENT_LIBRARIES = ("skyrl_gym", "verifiers")
+
+
+def environment_library(ref: str | None) -> tuple[str, str] | None:
+    """(library, name) of a library environment reference; name "" where only the library is given."""
+    library, _, name = (ref or "").partition(":")
+    return (library, name) if library in ENVIRONMENT_LIBRARIES else None
 
 
 class Section(BaseModel):
@@ -711,7 +720,8 @@ class Recipe(Section):
             raise ValueError("an [sft] or [rl] stage needs a [data] section")
         if self.data.task is None and self.data.train is None and (self.sft is not None or self.rl is not None):
             # A verifiers taskset brings its own tasks (backends.rollout.episodes.verifiers.taskset_rows).
-            own_tasks = self.rl is not None and (self.rl.environment or "").startswith("verifiers:")
+            library = environment_library(self.rl.environment) if self.rl is not None else None
+            own_tasks = library is not None and library[0] == "verifiers"
             if not own_tasks or self.sft is not None:
                 raise ValueError(
                     "set exactly one of data.task or data.train (neither: an RL-only recipe whose "

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from skyrl_cli.recipe.registry import builtin_recipes
-from skyrl_contracts.episodes import TASKS_WITH_TOOLS, environment_library, turn_problems
+from skyrl_contracts.episodes import TASKS_WITH_TOOLS, turn_problems
 from skyrl_contracts.losses import RATIO_BOUNDS, inert_loss_keys
 from skyrl_contracts.rundir import RUNS_ROOT
-from skyrl_contracts.schema import Recipe
+from skyrl_contracts.schema import Recipe, environment_library
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,13 @@ def environment_problems(recipe: Recipe) -> list[Problem]:
         module, install = LIBRARY_PACKAGES[library[0]]
         if not module_findable(module, []):
             problems.append(Problem(("rl", "environment"), f"needs the {module} package: {install}"))
-        if library[0] == "verifiers" and not library[1]:
-            problems.append(Problem(("rl", "environment"), "name the verifiers environment: 'verifiers:<environment>'"))
+        if library[0] == "verifiers" and not library[1] and not (rl.env_args.get("taskset") or {}).get("id"):
+            problems.append(
+                Problem(
+                    ("rl", "environment"),
+                    "name the verifiers taskset: 'verifiers:<taskset id>' (or rl.env_args.taskset.id)",
+                )
+            )
     kind = library[0] if library else None
     if kind == "skyrl_gym":  # its tool groups run inside the environment's step
         why = "a skyrl-gym environment runs its tool groups itself, inside step(); remove this key"

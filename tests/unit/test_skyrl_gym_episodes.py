@@ -184,6 +184,7 @@ def test_recipe_checks(tmp_path):
     assert [p.path for p in bad] == [("rl", "environment"), ("rl", "environment_modules"), ("rl", "env_args")]
     assert "neither a class 'module:Class' nor a library environment" in bad[0].message
     assert [p.path for p in environment_problems(recipe(environment="verifiers"))] == [("rl", "environment")]
+    assert environment_problems(recipe(environment="verifiers", env_args={"taskset": {"id": "vf_echo"}})) == []
     found = user_code_problems(recipe(environment="skyrl_gym", environment_modules=["not_here_mod"]), tmp_path)
     assert [(p.path, "cannot find module 'not_here_mod'" in p.message) for p in found] == [
         (("rl", "environment_modules", 0), True)

@@ -28,9 +28,9 @@ from typing import Any, Mapping, Sequence
 
 from backends.rollout.environments import Environment, StepResult
 from backends.rollout.rewards import import_user_module
-from skyrl_contracts.episodes import environment_library, turn_limit
+from skyrl_contracts.episodes import turn_limit
 from skyrl_contracts.errors import UsageError
-from skyrl_contracts.schema import Recipe
+from skyrl_contracts.schema import Recipe, environment_library
 
 from .environment import EnvironmentEpisodes
 

@@ -48,9 +48,9 @@ from pydantic import ValidationError
 
 from backends.rollout.agents import AgentServer, samples_from_calls
 from backends.rollout.environments import Episode
-from skyrl_contracts.episodes import environment_library, turn_limit
+from skyrl_contracts.episodes import turn_limit
 from skyrl_contracts.errors import UsageError
-from skyrl_contracts.schema import Recipe
+from skyrl_contracts.schema import Recipe, environment_library
 
 from .agent import AgentEpisodes
 from .tools import tool_use
