@@ -94,13 +94,16 @@ def load_for_run(
     stage: str | None,
     gpu_count: int | None = None,
     machine: MachineFacts | None = None,
+    preflight: bool = False,
 ) -> Recipe:
     """Resolve the recipe argument (file or built-in name), load it with the ``--set`` overrides and
     check that it has the section of the stage the command runs (``STAGE_SECTIONS``; other
     stages and ``None`` check nothing). The layout is checked against ``machine`` (give the one
-    the plan is built for), else this host with ``gpu_count`` GPUs (``None``: the visible ones)."""
+    the plan is built for), else this host with ``gpu_count`` GPUs (``None``: the visible ones).
+    ``preflight``: also the episode runner's checks of a library environment (a child process)."""
     # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.plan.feasibility import load_feasible_recipe
+    from skyrl_cli.plan.preflight import environment_preflight
     from skyrl_cli.recipe.registry import resolve_recipe_arg
 
     path = resolve_recipe_arg(recipe)
@@ -108,6 +111,8 @@ def load_for_run(
     section = STAGE_SECTIONS.get(stage or "")
     if section and getattr(loaded, section) is None:
         raise UsageError(f"recipe {path} has no [{section}] section")
+    if preflight:
+        environment_preflight(loaded, path)
     return loaded
 
 
@@ -155,7 +160,7 @@ def stage_request(
 
     mode = output_mode(quiet, json_)
     machine = detect_machine()  # one look at the host: validation and the plan see the same facts
-    loaded = load_for_run(recipe, sets, stage, machine=machine)
+    loaded = load_for_run(recipe, sets, stage, machine=machine, preflight=stage == "rl")
     return StageRequest(
         stage=stage,
         recipe_arg=recipe,

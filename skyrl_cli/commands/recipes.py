@@ -57,7 +57,7 @@ def validate(
     problems: list[str] = []
     for file in files:
         try:
-            common.load_for_run(file, set_, stage=None, gpu_count=gpus)
+            common.load_for_run(file, set_, stage=None, gpu_count=gpus, preflight=True)
         except RecipeError as err:
             problems += err.problems
         except UsageError as err:

@@ -36,6 +36,11 @@ class EpisodeRunner(Protocol):
     first_turn_wait_s: float | None
     tool_use: Any  # ``ToolUse`` where tool calls are parsed, else None
 
+    @classmethod
+    def preflight(cls, recipe: Recipe) -> None:
+        """Raise ``UsageError`` naming the key for what would fail this kind's runner, checked without
+        engines or a tokenizer (``backends.rollout.episodes.preflight``: before any process starts)."""
+
     async def start(self, client, stop_ids: Sequence[int]) -> None: ...
 
     async def stop(self) -> None: ...

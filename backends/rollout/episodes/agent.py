@@ -38,6 +38,10 @@ class AgentEpisodes:
     first_turn_wait_s = AGENT_FIRST_CALL_WAIT_S
     server_class = AgentServer  # the endpoint the trajectories call (a subclass may add routes)
 
+    @classmethod
+    def preflight(cls, recipe: Recipe) -> None:
+        """Nothing before the run: the recipe's own code is imported when the orchestrator starts."""
+
     def __init__(self, recipe: Recipe, tokenizer):
         self.recipe, self.rl, self.tokenizer = recipe, recipe.rl, tokenizer
         self.agent = load_agent(self.rl.agent)

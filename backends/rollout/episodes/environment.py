@@ -85,6 +85,10 @@ class EnvironmentEpisodes:
 
     first_turn_wait_s = None  # every trajectory of a group reaches its first turn (or skips it)
 
+    @classmethod
+    def preflight(cls, recipe: Recipe) -> None:
+        """Nothing before the run: the recipe's own code is imported when the orchestrator starts."""
+
     def __init__(self, recipe: Recipe, tokenizer, make_env: EnvironmentFactory | None = None):
         """``make_env``: the environments to run (another library's, adapted); by default the
         recipe's (``environment_factory``)."""

@@ -131,9 +131,12 @@ class SkyRLGymEnvironment(Environment):
 class SkyRLGymEpisodes(EnvironmentEpisodes):
     """``EpisodeRunner`` for skyrl-gym environments: ``EnvironmentEpisodes`` over the adapter."""
 
-    def __init__(self, recipe: Recipe, tokenizer):
+    @classmethod
+    def preflight(cls, recipe: Recipe) -> None:
+        """The recipe's modules imported (their ``skyrl_gym.register(...)`` calls run here) and every
+        id it names registered."""
         rl = recipe.rl
-        for module in rl.environment_modules:  # their skyrl_gym.register(...) calls run here
+        for module in rl.environment_modules:
             import_user_module(module, f"rl.environment_modules ({module})")
         _, default_id = environment_library(rl.environment)
         if default_id and default_id not in import_skyrl_gym().registry:
@@ -141,6 +144,11 @@ class SkyRLGymEpisodes(EnvironmentEpisodes):
         for env_id in rl.env_config:
             if env_id not in import_skyrl_gym().registry:
                 raise UsageError(unregistered(env_id, f"rl.env_config.{env_id}"))
+
+    def __init__(self, recipe: Recipe, tokenizer):
+        rl = recipe.rl
+        self.preflight(recipe)
+        _, default_id = environment_library(rl.environment)
         self.default_id = default_id
         # SkyRL tells the environment generator.max_turns, 1 by default; ours is rl.max_turns.
         told = turn_limit(recipe) or 1

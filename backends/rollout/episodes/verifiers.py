@@ -22,7 +22,8 @@ trajectory's calls go to one base URL here, and the endpoint finds the trajector
 ``X-Session-ID`` header (the trace id) that verifiers sends on every call. Calls of a trace whose
 agent the env marks untrainable (a judge seat on the policy) are answered and not trained on.
 
-What cannot run beside a trainer is refused when the runner is built, naming ``rl.environment``:
+What cannot run beside a trainer is refused when the runner is built, naming ``rl.environment``, and
+before that by the driver's preflight (``VerifiersEpisodes.preflight``, ``skyrl_cli.plan.preflight``):
 a harness in a sandbox or container runtime (prime, docker, modal, ...), a harness that runs the
 model's commands with no runtime chosen, a task that needs a container, tool servers behind a
 tunnel, a seat on another model or endpoint, judges (they call an external model), and seat
@@ -358,6 +359,12 @@ class VerifiersEpisodes(AgentEpisodes):
     to ``stop``."""
 
     server_class = VerifiersEndpoint
+
+    @classmethod
+    def preflight(cls, recipe: Recipe) -> None:
+        """The environment loaded by verifiers' loader, and refused if it cannot run beside a trainer."""
+        load_env(recipe)
+        ensure_uv()
 
     def __init__(self, recipe: Recipe, tokenizer):
         self.recipe, self.rl, self.tokenizer = recipe, recipe.rl, tokenizer
