@@ -90,6 +90,47 @@ class RunExchange:
             if published < version and published not in kept:
                 shutil.rmtree(path, ignore_errors=True)
 
+    # ------------------------------------------------------------------ delta repairs
+    def request_full_weights(self, version: int) -> None:
+        """Ask the learner for ``version`` whole: the engines could not rebuild it from its delta."""
+        write_json(self.paths.full_weights_request(), {"version": version}, indent=None)
+
+    def full_weights_requested(self) -> int | None:
+        try:
+            return int(json.loads(self.paths.full_weights_request().read_text())["version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @contextlib.contextmanager
+    def publish_full_weights(self, version: int) -> Iterator[Path]:
+        """Write the full copy of ``version`` into the yielded dir; it appears atomically, and the
+        request is answered."""
+        with atomic_dir(self.paths.full_weights(version)) as tmp:
+            yield tmp
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.full_weights_request().unlink()
+
+    def wait_full_weights(self, newer_than: int, timeout_s: float, poll_s: float = 0.1) -> tuple[int, Path]:
+        """(version, dir) of the first full copy of a version >= ``newer_than`` to appear."""
+        found: list[tuple[int, Path]] = []
+
+        def answered() -> bool:
+            found[:] = [(v, p) for v, p in self.full_weight_copies() if v >= newer_than]
+            return bool(found)
+
+        self._wait_for(answered, f"a full copy of weights v{newer_than}", timeout_s, poll_s)
+        return found[0]
+
+    def full_weight_copies(self) -> list[tuple[int, Path]]:
+        if not self.paths.weights.is_dir():
+            return []
+        copies = []
+        for path in self.paths.weights.iterdir():
+            name = path.name.removeprefix("full-v")
+            if path.name.startswith("full-v") and name.isdigit() and path.is_dir():
+                copies.append((int(name), path))
+        return sorted(copies)
+
     # ------------------------------------------------------------------ NCCL transfers
     def publish_transfer(self, version: int) -> None:
         """Announce ``version`` as one that comes over NCCL: a ``weights/v<k>/`` with no weights."""

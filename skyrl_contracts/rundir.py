@@ -195,6 +195,13 @@ class RunDir:
     def stop_request(self) -> Path:
         return self.control / "stop"
 
+    def full_weights_request(self) -> Path:
+        return self.control / "full-weights.request"
+
+    def full_weights(self, version: int) -> Path:
+        """A full copy of a delta-synced version, written on request (``weights/full-v<k>/``)."""
+        return self.weights / f"full-v{version}"
+
     def transfer_marker(self, version: int) -> Path:
         return self.weights_version(version) / "transfer.json"
 

@@ -469,12 +469,20 @@ class InferenceConfig(Section):
     max_retries: NonNegativeInt = Field(3, description="Retries of a failed request.")
     router: RouterConfig = Field(default_factory=RouterConfig)
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding.")
-    weight_sync: Literal["auto", "nccl", "disk"] = Field(
+    weight_sync: Literal["auto", "nccl", "disk", "delta"] = Field(
         "auto",
         description='How the RL stage gets each policy version into the engines. "nccl": trainer rank 0 '
         "broadcasts the weights into the engines (vLLM's NCCL weight transfer; CUDA, local engines, full "
         'fine-tuning with ZeRO 0-2); "disk": safetensors in the run directory and an engine reload; '
+        '"delta": files too, each version written as the lossless delta of its bits against the version '
+        "before (XOR + zstd), which the engines apply and check themselves; "
         '"auto": nccl where it can run, else disk. LoRA always syncs adapters.',
+    )
+    full_version_every: PositiveInt = Field(
+        10,
+        description='With weight_sync = "delta": every N-th version is written whole (and the first one '
+        "always). An engine that holds no version to apply a delta to (restarted, or from a pool) reads "
+        "the last whole version and the deltas after it.",
     )
 
     @model_validator(mode="after")

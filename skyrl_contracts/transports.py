@@ -19,6 +19,12 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+# vLLM's worker extension on every engine this tool starts (pools and restarts included): what
+# applies a delta version inside the engine (``backends.inference.delta_worker``).
+WORKER_EXTENSION = "backends.inference.delta_worker.PolicyVersions"
+# A ``weights/v<k>/`` holding this file is a delta against the version before (``backends.inference.deltas``).
+DELTA_MANIFEST = "delta.json"
+
 # Where it works everywhere: a worker started without --weight-sync, a pool recorded without one.
 DEFAULT_TRANSPORT: TransportName = "disk"
 TRANSPORTS_PACKAGE = "backends.inference.transports"
@@ -69,6 +75,7 @@ TRANSPORTS: dict[str, Transport] = {
             ),
         ),
         Transport("disk"),
+        Transport("delta"),
         Transport("lora", engine_model="init_from", adapters=True),
         Transport(
             "int4",

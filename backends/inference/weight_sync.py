@@ -45,6 +45,7 @@ from skyrl_contracts.atomic import write_json
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 from skyrl_contracts.errors import SkyrlError
 from skyrl_contracts.rundir import RunDir
+from skyrl_contracts.transports import DELTA_MANIFEST
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,13 @@ async def sync_weights(
     http: httpx.AsyncClient | None = None,
     timeout_s: float = ADMIN_TIMEOUT_S,
 ) -> WeightSyncResult:
-    """Disk path: every engine reloads the safetensors in ``weights_dir`` and labels them ``version``."""
+    """Disk path: every engine reloads the safetensors in ``weights_dir`` and labels them ``version``
+    (a delta version, which a restarted engine of a delta run may be brought to, goes through
+    ``sync_policy_version``)."""
+    if (Path(weights_dir) / DELTA_MANIFEST).is_file():
+        return await sync_policy_version(
+            engine_urls, weights_dir, version, reset_prefix_cache=reset_prefix_cache, http=http, timeout_s=timeout_s
+        )
     weights_path = str(Path(weights_dir).resolve())
     version = str(version)
 
@@ -155,6 +162,39 @@ async def sync_weights(
         await _post(
             client, url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
         )
+        if reset_prefix_cache:
+            await _post(client, url, "/reset_prefix_cache")
+        await _post(client, url, "/update_weight_version", {"new_version": version})
+
+    return await _for_each_engine(engine_urls, version, update, http, timeout_s)
+
+
+class DeltaRefused(WeightSyncError):
+    """An engine could not get a delta version from its files (``backends.inference.delta_worker``):
+    it keeps the version it had, and the version must come whole."""
+
+
+async def sync_policy_version(
+    engine_urls: Sequence[str],
+    weights_dir: str | os.PathLike,
+    version: str | int,
+    *,
+    reset_prefix_cache: bool = False,
+    http: httpx.AsyncClient | None = None,
+    timeout_s: float = ADMIN_TIMEOUT_S,
+) -> WeightSyncResult:
+    """Delta path: every engine's workers load ``weights_dir`` (a delta or a full version) through
+    the worker extension, which checks it before vLLM loads it; ``DeltaRefused`` where one could not."""
+    weights_path = str(Path(weights_dir).resolve())
+    version = str(version)
+
+    async def update(client: httpx.AsyncClient, url: str) -> None:
+        rpc = {"method": "load_policy_version", "kwargs": {"path": weights_path, "version": version}}
+        answers = (await _post(client, url, "/collective_rpc", rpc)).get("results") or [None]
+        refused = [a for a in answers if not (isinstance(a, dict) and a.get("ok"))]
+        if refused:
+            why = refused[0].get("error") if isinstance(refused[0], dict) else f"answered {refused[0]!r}"
+            raise DeltaRefused(f"{url}: v{version}: {why}")
         if reset_prefix_cache:
             await _post(client, url, "/reset_prefix_cache")
         await _post(client, url, "/update_weight_version", {"new_version": version})

@@ -159,6 +159,41 @@ def save_for_engines(model, tokenizer, out_dir: str | os.PathLike, state_dict=No
     return True
 
 
+def engine_state(model, state_dict=None, dtype: str | None = None) -> dict:
+    """The tensors of one version for the engines, as ``save_for_engines`` would write them but held
+    in memory: copies on the CPU (never the live parameters, which training goes on changing), the
+    floating ones in ``dtype``, and a tied head under its own name as well as the embedding's."""
+    # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
+    import torch
+
+    target = getattr(torch, dtype) if dtype is not None else None
+    out = {}
+    for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
+        wanted = target if target is not None and tensor.is_floating_point() else tensor.dtype
+        out[name] = tensor.detach().to("cpu", wanted, copy=True).contiguous()
+    pair = tied_head(model)
+    if pair is not None:  # a gathered state dict names the shared parameter once, under either name
+        weight = out[pair.embedding] if pair.embedding in out else out[pair.head]
+        out[pair.embedding], out[pair.head] = weight, weight.clone()
+    return out
+
+
+def save_engine_state(model, tokenizer, out_dir: str | os.PathLike, tensors: dict) -> None:
+    """A full version of ``engine_state``'s tensors: one safetensors file, the model's config (untied:
+    the head is written out) and the tokenizer."""
+    # lazy: transformers/safetensors/torch; the orchestrator imports this module (nccl_sync) without them
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.setdefault("architectures", [type(model).__name__])
+    (out / "config.json").write_text(json.dumps(_untie_config(config), indent=2) + "\n", encoding="utf-8")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
 def in_dtype(state_dict: dict, dtype) -> dict:
     """``state_dict`` with its floating tensors in ``dtype`` (the others, and those already in it, as they are)."""
     return {

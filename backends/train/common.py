@@ -9,7 +9,7 @@ from pathlib import Path
 
 from backends.models.loading import save_hf
 from backends.models.lora import ADAPTER_DIR, is_peft, merged_copy, save_adapter
-from backends.models.tied import save_for_engines
+from backends.models.tied import engine_state, save_engine_state, save_for_engines
 from backends.quant.export import export_version
 from skyrl_contracts.events import EventWriter
 from skyrl_contracts.rundir import RunDir
@@ -73,6 +73,18 @@ class HFExporter:
             save_for_engines(
                 self.engine.module, self.tokenizer, out_dir, state_dict=state_dict, dtype=self.engine_dtype
             )
+
+    def engine_tensors(self) -> dict | None:
+        """One policy version for the engines held in memory (``backends.models.tied.engine_state``)
+        on rank 0, None on the other ranks. Collective under ZeRO-3."""
+        state_dict = self._gathered()
+        if not self.dist.is_main:
+            return None
+        return engine_state(self.engine.module, state_dict, self.engine_dtype)
+
+    def write_engine_tensors(self, out_dir: Path, tensors: dict) -> None:
+        """``engine_tensors``' version as a full HF directory the engines reload (rank 0)."""
+        save_engine_state(self.engine.module, self.tokenizer, out_dir, tensors)
 
     def int4_for_engines(self, out_dir: Path | None, cfg) -> None:
         """One policy version for INT4 rollouts: the W4A16 export of the model, rounded in memory

@@ -275,6 +275,7 @@ class Learner:
                     "timing/train_s": t2 - t1,
                     "timing/publish_weights_s": t3 - t2,
                     **({"timing/weight_send_s": self.last_send_s} if self.last_send_s is not None else {}),
+                    **self.publisher.metrics(),
                     **staleness_metrics(samples, step),
                 }
             )

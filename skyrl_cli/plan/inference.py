@@ -56,7 +56,7 @@ from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.recipe.lengths import with_model_lengths
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 from skyrl_contracts.schema import Recipe, RouterConfig, SpeculativeConfig
-from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS
+from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS, WORKER_EXTENSION
 
 # Attention head sizes vLLM's CPU attention backend serves (vllm/v1/attention/backends/cpu_attn.py);
 # the GPU backends accept all of them too.
@@ -151,6 +151,8 @@ def engine_argv(
         "--generation-config",
         "vllm",
         "--disable-uvicorn-access-log",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
     ]
     if machine.device == "cpu":
         # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here.

@@ -7,6 +7,10 @@ once, when the plan is made, and recorded in it (``LaunchPlan.weight_sync``):
   ZeRO-3 partitions them over the ranks) and a vLLM that has the weight-transfer engine.
 - ``"disk"``: safetensors in ``weights/v<k>/`` and an engine reload (``backends.inference.weight_sync``):
   everywhere, and the fallback when the NCCL group cannot be set up at run time.
+- ``"delta"``: files too, each version the lossless delta of its bits against the version before
+  (``backends.inference.transports.delta``), applied and checked inside the engines; every
+  ``inference.full_version_every``-th version whole. Needs the engines this tool starts (their worker
+  extension), full weights (not LoRA) and no INT4 rollouts.
 - ``"lora"``: with ``[model.lora]`` each version is an adapter loaded under its own name, whatever
   the key says (an adapter is a fraction of the weights; there is nothing to broadcast).
 - ``"int4"``: with ``quantization.int4_rollouts`` each version is its W4A16 export, reloaded from
@@ -75,16 +79,40 @@ def select_weight_sync(recipe: Recipe, device: str, transfer_available: bool) ->
         return "lora"
     if recipe.quantization is not None and recipe.quantization.int4_rollouts:
         return "int4"
-    if recipe.inference.weight_sync == "disk":
-        return "disk"
+    if recipe.inference.weight_sync in ("disk", "delta"):
+        return recipe.inference.weight_sync
     return "disk" if nccl_obstacles(recipe, device, transfer_available) else "nccl"
+
+
+def delta_obstacles(recipe: Recipe) -> list[str]:
+    """Why the delta weight sync cannot run for ``recipe`` (none: it can)."""
+    why = []
+    if recipe.model.lora is not None:
+        why.append('LoRA RL syncs adapters, not weights; remove the key or set it to "auto"')
+    if recipe.quantization is not None and recipe.quantization.int4_rollouts:
+        why.append("INT4 rollouts reload a W4A16 export of every version; deltas of it are not written")
+    if recipe.inference.urls:
+        why.append("remote engines (inference.urls) do not run the worker extension that applies deltas")
+    return why
 
 
 def weight_sync_problems(
     recipe: Recipe, machine: MachineFacts, transfer_available: bool | None = None
 ) -> list[Problem]:
-    """An explicit ``inference.weight_sync = "nccl"`` that this machine cannot run (RL stage only)."""
-    if recipe.rl is None or recipe.inference.weight_sync != "nccl":
+    """An explicit ``inference.weight_sync`` that cannot run here, and ``full_version_every`` where no
+    delta is written (RL stage only)."""
+    if recipe.rl is None:
+        return []
+    inference = recipe.inference
+    # by value: a recipe re-validated from its resolved dump states every key
+    default = type(inference).model_fields["full_version_every"].default
+    if inference.full_version_every != default and inference.weight_sync in ("disk", "nccl"):
+        why = 'applies to inference.weight_sync = "delta" only; remove this key'
+        return [Problem(("inference", "full_version_every"), why)]
+    if inference.weight_sync == "delta":
+        why = delta_obstacles(recipe)
+        return [Problem(KEY, f'"delta": {why[0]}')] if why else []
+    if inference.weight_sync != "nccl":
         return []
     available = vllm_weight_transfer_available() if transfer_available is None else transfer_available
     why = nccl_obstacles(recipe, trainer_device(recipe, machine), available)

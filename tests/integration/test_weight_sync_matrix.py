@@ -169,3 +169,107 @@ def test_the_guard_fires_when_the_engines_serve_other_weights(engines, tmp_path)
     # step 1 is judged against 10x the fp32 floor: no numerics reach it
     assert health["sync_gap_first_step"] == 1 and health["sync_gap_max"] > health["sync_gap_bound"] == 1e-2
     assert "not serving the trainer's weights" in (tmp_path / "runs/guard/rl/logs/trainer.log").read_text()
+
+
+# ------------------------------------------------------------------------------ the delta sync
+
+DELTA_CASES = [("llama", True, "float32"), ("llama", True, "bfloat16"), ("qwen2", False, "float32")]
+
+
+class Main:
+    is_main = True
+
+
+class Exporter:
+    """The learner's exporter as the delta publisher uses it (``HFExporter.engine_tensors`` and
+    ``write_engine_tensors``, the same functions) over a transformers model, no DeepSpeed."""
+
+    def __init__(self, model, tokenizer, dtype: str):
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
+
+    def engine_tensors(self):
+        from backends.models.tied import engine_state
+
+        return engine_state(self.model, dtype=self.dtype)
+
+    def write_engine_tensors(self, out, tensors):
+        from backends.models.tied import save_engine_state
+
+        save_engine_state(self.model, self.tokenizer, out, tensors)
+
+
+def rl_like_step(model, gen, lr: float = 1e-5) -> None:
+    """An Adam-sized step: every weight moves by about ``lr`` (sign-like updates, as Adam's are)."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen).sign() * lr)
+
+
+@pytest.mark.parametrize("case", DELTA_CASES, ids=case_id)
+def test_twenty_delta_versions_leave_the_engine_bit_for_bit_on_the_full_weights(engines, case, tmp_path):
+    """The learner's delta publisher and the orchestrator's loader over a real engine: v0 whole, then
+    20 versions as deltas (the engine's first one rebuilt from v0, the others applied to what it
+    holds), with a whole version every 11 (v11): 20 deltas. The engine's parameters (CRC-32 each) and its logprobs
+    then equal those it has after vLLM's own reload of the same version written whole; a corrupted
+    delta is refused by the engine (which keeps serving its version) and comes whole from the
+    learner's memory."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.inference.sync_check import engine_logprobs, fixed_sequence
+    from backends.inference.transports.delta import DeltaEngineWeights, DeltaPublisher
+    from backends.inference.weight_sync import WeightSyncResult, run_blocking, sync_weights
+    from backends.models.tied import engine_state, save_engine_state
+    from skyrl_contracts.exchange import RunExchange
+
+    url, model_dir = engines[case]
+    dtype = case[2]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = fixed_sequence(min(model.config.get_text_config().vocab_size, len(tokenizer)))
+    exchange = RunExchange(tmp_path / "run")
+    publisher = DeltaPublisher(exchange, Main(), Exporter(model, tokenizer, dtype), full_every=11)
+    loader = DeltaEngineWeights([url], tmp_path / "run")
+
+    def rpc(method: str, **kwargs):
+        response = httpx.post(f"{url}/collective_rpc", json={"method": method, "kwargs": kwargs}, timeout=120)
+        response.raise_for_status()
+        return response.json()["results"][0]
+
+    gen = torch.Generator().manual_seed(0)
+    written = []
+    publisher.publish(0)
+    for version in range(1, 22):
+        rl_like_step(model, gen)
+        publisher.publish(version)
+        written.append(publisher.metrics())
+        run_blocking(loader.load(version, exchange.weights_dir(version)))
+    assert [m["weights/delta"] for m in written] == [1.0] * 10 + [0.0] + [1.0] * 10  # v11 whole
+    assert all(m["weights/written_bytes"] < m["weights/full_bytes"] for m in written if m["weights/delta"])
+    assert loader.held() == frozenset(range(11, 22))  # a restarted engine rebuilds v21 from v11 on
+    after_deltas = (rpc("policy_checksums"), engine_logprobs(url, ids))
+
+    whole = tmp_path / "whole-v21"
+    save_engine_state(model, tokenizer, whole, engine_state(model, dtype=dtype))
+    run_blocking(sync_weights([url], whole, "21-whole"))  # vLLM's own reload, from files
+    assert (rpc("policy_checksums"), engine_logprobs(url, ids)) == after_deltas
+
+    # a corrupted delta: refused, and v22 comes whole from what the learner holds
+    run_blocking(loader.load(21, exchange.weights_dir(21)))
+    rl_like_step(model, gen)
+    publisher.full_every = 100  # v22 a delta
+    publisher.publish(22)
+    blob = exchange.weights_dir(22) / "delta.bin"
+    blob.write_bytes(bytes(b ^ 0x5A for b in blob.read_bytes()))
+    result = run_blocking(loader.load(22, exchange.weights_dir(22)))
+    assert isinstance(result, WeightSyncResult) and loader.current == exchange.paths.full_weights(22)
+    save_engine_state(model, tokenizer, tmp_path / "whole-v22", engine_state(model, dtype=dtype))
+    served = (rpc("policy_checksums"), engine_logprobs(url, ids))
+    run_blocking(sync_weights([url], tmp_path / "whole-v22", "22-whole"))
+    assert (rpc("policy_checksums"), engine_logprobs(url, ids)) == served
+    rl_like_step(model, gen)
+    publisher.publish(23)  # after a repair the next version is whole: no chain runs through v22's delta
+    assert not (exchange.weights_dir(23) / "delta.json").exists()

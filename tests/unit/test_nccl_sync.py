@@ -95,6 +95,28 @@ def test_an_explicit_nccl_that_cannot_run_is_a_recipe_error_naming_the_reason():
     assert len(nccl_obstacles(recipe(zero_stage=3, urls=("http://far:1",)), "cpu", False)) == 4
 
 
+def test_an_explicit_delta_runs_on_any_device_where_the_weights_are_full_and_the_engines_ours():
+    assert (
+        select_weight_sync(recipe("delta"), "cpu", True) == select_weight_sync(recipe("delta"), "cuda", True) == "delta"
+    )
+    assert weight_sync_problems(recipe("delta", zero_stage=3), CPU2) == []  # ZeRO-3 gathers for every version anyway
+    assert "LoRA" in weight_sync_problems(recipe("delta", lora=True), CPU2)[0].message
+    (remote,) = weight_sync_problems(recipe("delta", urls=("http://far:8000",)), CPU2)
+    assert (
+        remote.message == '"delta": remote engines (inference.urls) do not run the worker extension that applies deltas'
+    )
+
+
+def test_full_version_every_acts_only_with_deltas():
+    data = recipe("disk").model_dump(mode="json")
+    assert weight_sync_problems(Recipe.model_validate(data), CPU2) == []  # a resolved dump states the default
+    data["inference"]["full_version_every"] = 5
+    (problem,) = weight_sync_problems(Recipe.model_validate(data), CPU2)
+    assert problem.path == ("inference", "full_version_every") and "delta" in problem.message
+    data["inference"]["weight_sync"] = "delta"
+    assert weight_sync_problems(Recipe.model_validate(data), CPU2) == []
+
+
 def _proc(plan, role):
     return next(p for p in plan.processes if p.role == role)
 

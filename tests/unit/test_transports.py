@@ -21,7 +21,14 @@ from skyrl_cli.plan.pool import unpoolable
 from skyrl_cli.plan.rl import ENGINE_MODELS, learner_sync_args, plan_rl
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.schema import Recipe
-from skyrl_contracts.transports import TRANSPORT_NAMES, TRANSPORTS, EngineModel, Transport, TransportName
+from skyrl_contracts.transports import (
+    TRANSPORT_NAMES,
+    TRANSPORTS,
+    WORKER_EXTENSION,
+    EngineModel,
+    Transport,
+    TransportName,
+)
 from tests.unit.test_nccl_sync import CPU2, GPU8  # the described machines the weight-sync plans use
 
 INIT = "/models/m"
@@ -62,13 +69,13 @@ def test_both_workers_accept_exactly_the_tables_names(module, capsys, monkeypatc
 # ------------------------------------------------------------------------------ the plans, as they were
 
 
-def recipe(lora: bool = False, int4: bool = False) -> Recipe:
+def recipe(lora: bool = False, int4: bool = False, weight_sync: str = "auto") -> Recipe:
     data = {
         "name": "t",
         "model": {"path": INIT, **({"lora": {"rank": 8}} if lora else {})},
         "data": {"task": "addition"},
         "rl": {"init_from": INIT, "async": {"reset_prefix_cache": True}},
-        "inference": {"engines": 2},
+        "inference": {"engines": 2, "weight_sync": weight_sync},
         "trainer": {"ranks": 2},
     }
     if int4:
@@ -78,7 +85,7 @@ def recipe(lora: bool = False, int4: bool = False) -> Recipe:
 
 def plan_of(name: str, run_dir: Path, monkeypatch) -> LaunchPlan:
     monkeypatch.setattr("skyrl_cli.plan.rl.vllm_weight_transfer_available", lambda: True)
-    r = recipe(lora=name == "lora", int4=name == "int4")
+    r = recipe(lora=name == "lora", int4=name == "int4", weight_sync="delta" if name == "delta" else "auto")
     return plan_rl(r, run_dir, resume=False, async_mode=False, machine=GPU8 if name == "nccl" else CPU2)
 
 
@@ -104,6 +111,7 @@ POOL_REFUSALS = {
     "to use a pool",
     "int4": "quantization.int4_rollouts: the engines serve the INT4 export from start-up; this run starts its own",
     "disk": None,
+    "delta": None,
     "lora": None,
 }
 
@@ -119,6 +127,9 @@ def test_each_transports_plan_is_what_it_was(name, tmp_path, monkeypatch):
     assert transfer == ([{"backend": "nccl"}] * len(engines) if name == "nccl" else [])
     served, setup_modules = served_and_setup(name, tmp_path)
     assert all(e.argv[e.argv.index("backends.inference.serve") + 1] == served for e in engines)
+    assert all(
+        _flag(e.argv, "--worker-extension-cls") == WORKER_EXTENSION for e in engines
+    )  # deltas apply in any engine
     assert tuple(p.argv[2] for p in plan.processes if p.kind == "setup") == setup_modules
     trainer, orchestrator = _proc(plan, "trainer"), _proc(plan, "orchestrator")
     assert _flag(trainer.argv, "--weight-sync") == _flag(orchestrator.argv, "--weight-sync") == name
@@ -142,7 +153,7 @@ def test_each_transports_plan_is_what_it_was(name, tmp_path, monkeypatch):
 def test_the_orchestrator_gets_each_transports_engine_loader(name, loader, resets, tmp_path):
     from backends.rollout.orchestrator import engine_weights
 
-    r = recipe(lora=name == "lora", int4=name == "int4")
+    r = recipe(lora=name == "lora", int4=name == "int4", weight_sync="delta" if name == "delta" else "auto")
     engines = engine_weights(r, tmp_path, ["http://e:1"], name)
     assert type(engines).__name__ == loader and engines.engine_urls == ["http://e:1"]
     assert getattr(engines, "reset_prefix_cache", None) == resets  # rl.async.reset_prefix_cache

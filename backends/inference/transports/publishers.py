@@ -15,6 +15,9 @@ class WeightPublisher(Protocol):
     def publish(self, version: int) -> float | None:
         """Make ``version`` available to the engines; the seconds of a transfer, None for files."""
 
+    def metrics(self) -> dict[str, float]:
+        """Figures of the last ``publish`` for the step's metrics (rank 0; empty where none)."""
+
 
 class FilePublisher:
     """A version as files in ``weights/v<k>/``, published whole: rank 0 writes, the other ranks join
@@ -31,6 +34,9 @@ class FilePublisher:
             self.write(None)
         return None
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
 
 class NcclFirstVersionAsFiles:
     """NCCL for every version but the starting one, which goes as files: it is what a restarted
@@ -43,6 +49,9 @@ class NcclFirstVersionAsFiles:
         if version == self.first_version or self.sender is None:  # no sender on ranks > 0
             return self.files.publish(version)
         return self.sender.publish(version)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
 
 def full_weights_gather(recipe) -> bool:

@@ -1,0 +1,60 @@
+"""What every engine this tool starts adds to vLLM's workers (``--worker-extension-cls``), for the
+delta weight sync (``backends.inference.deltas``): the worker holds the tensors of the policy
+version it serves and turns the next version's delta into that version's tensors itself.
+
+The orchestrator calls it through vLLM's ``/collective_rpc`` (``load_policy_version``), on every
+worker of the engine. It answers with what it did rather than raising, so that the orchestrator can
+tell a delta it could not use (ask the learner for the version whole) from an engine failure:
+
+- ``{"ok": true, "version": k, "how": "delta"}``: applied to the version held;
+- ``"how": "rebuilt"``: the worker held another version (a restarted engine, a pool engine, the
+  run's first delta), so it read the last full version and every delta after it;
+- ``"how": "full"``: a full version (a directory of safetensors);
+- ``{"ok": false, "error": ...}``: no version ``k`` to be had from these files (a file missing or not
+  checking out). The engine keeps serving the version it had.
+
+A version is checked (CRC-32 per tensor) before vLLM loads any of it: never a wrong model. The
+held tensors are one copy of the model in host memory per worker, in the engines' dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("skyrl.delta")
+
+
+class PolicyVersions:
+    _skyrl_held: tuple[int, dict] | None = None
+
+    def load_policy_version(self, path: str, version: str) -> dict:
+        # lazy: vLLM imports the extension class in every worker; torch is loaded there already
+        from backends.inference.deltas import DeltaError, apply_delta, is_delta, read_full, read_manifest, rebuild
+
+        target = int(version)
+        held = self._skyrl_held
+        try:
+            if not is_delta(path):
+                tensors, how = read_full(path), "full"
+            else:
+                tensors, how = None, "rebuilt"
+                if held is not None and held[0] == read_manifest(path)["base"]:
+                    try:
+                        tensors, how = apply_delta(path, held[0], held[1]), "delta"
+                    except DeltaError as err:
+                        log.warning("delta v%d: %s; rebuilding from the last full version", target, err)
+                if tensors is None:
+                    rebuilt, tensors = rebuild(path)
+                    if rebuilt != target:
+                        raise DeltaError(f"{path} holds v{rebuilt}, not v{target}")
+        except DeltaError as err:
+            return {"ok": False, "error": str(err)}
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        self._skyrl_held = (target, tensors)
+        return {"ok": True, "version": target, "how": how}
+
+    def policy_checksums(self) -> dict:
+        """CRC-32 of every parameter the worker serves with (the tests compare engines with it)."""
+        from backends.inference.deltas import crc32  # lazy: as above
+
+        return {name: crc32(param.detach().cpu()) for name, param in self.model_runner.model.named_parameters()}
