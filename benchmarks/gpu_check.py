@@ -11,6 +11,8 @@ Stages:
   tinker-lora    the Tinker server's batched multi-LoRA forward/backward, 4 adapters in one pass
   tied-sync      tied Llama / Qwen2 / Qwen3: the learner's published version and the engines' starting
                  copy (head written out, served untied) give the tied model's logprobs exactly
+  delta-sync     the delta weight sync's round trip at the 0.5B size (no vLLM): AdamW steps at lr 1e-6,
+                 each bf16 version taken, written whole and as a delta, read back and applied, bit-exact
   vllm           an engine behind vllm-router (where vLLM is installed): rollout tokens/s, the
                  disk weight sync per step, NCCL (needs a second GPU: NCCL refuses two ranks on one
                  device), and the engine-vs-trainer logprob gap
@@ -432,6 +434,66 @@ def stage_tied_sync(ctx) -> dict[str, str]:
     return figures
 
 
+# ------------------------------------------------------------------------------ delta weight sync
+
+
+def stage_delta_sync(ctx) -> dict[str, str]:
+    """The delta weight sync's round trip at the 0.5B recipe's size, without vLLM: Qwen2.5-0.5B in
+    fp32 master weights, ``ctx.steps`` Adam steps at the recipe's RL learning rate (1e-6) on an LM
+    loss; each version taken for bf16 engines (``engine_state``, device to host), written whole and as
+    a delta, then read back whole and applied to the version before (what an engine does), checked
+    bit for bit."""
+    import statistics
+
+    import torch
+
+    from backends.inference.deltas import apply_delta, as_ints, read_full, write_delta
+    from backends.models.tied import engine_state, save_engine_state
+
+    dev = device()
+    model, source = qwen_05b(torch.float32)
+    model.to(dev).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    examples = random_examples(8, model.config.vocab_size, 64, 256)
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("take", "whole_w", "delta_w", "whole_r", "apply", "bytes", "changed")
+    }
+    previous = engine_state(model, dtype="bfloat16")
+    for step in range(max(ctx.steps, 3)):
+        batch = torch.tensor([examples[step % len(examples)].input_ids], device=dev)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        current = engine_state(model, dtype="bfloat16")
+        t1 = time.perf_counter()
+        whole, delta = ctx.tmp / f"delta-whole-{step}", ctx.tmp / f"delta-{step}"
+        save_engine_state(model, None, whole, current)
+        t2 = time.perf_counter()
+        delta.mkdir(parents=True)
+        stats = write_delta(delta, step + 1, step, 0, previous, current)
+        t3 = time.perf_counter()
+        read_full(whole)
+        t4 = time.perf_counter()
+        applied = apply_delta(delta, step, previous)
+        t5 = time.perf_counter()
+        if any(not torch.equal(as_ints(applied[k]), as_ints(current[k])) for k in current):
+            raise AssertionError(f"step {step}: the applied delta differs from the version")
+        for key, value in zip(
+            rows, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, stats.delta_bytes, stats.changed_fraction)
+        ):
+            rows[key].append(value)
+        previous = current
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "model": f"Qwen2.5-0.5B ({source}), AdamW lr 1e-6, {len(rows['take'])} versions, bf16 engines",
+        "version whole": f"{stats.full_bytes / 1e6:.0f} MB; delta {med['bytes'] / 1e6:.1f} MB (median), elements changed {med['changed']:.4f}",
+        "learner": f"take {med['take']:.2f} s, write whole {med['whole_w']:.2f} s, write delta {med['delta_w']:.2f} s",
+        "engine side": f"read whole {med['whole_r']:.2f} s, apply + check delta {med['apply']:.2f} s (bit-exact)",
+    }
+
+
 # ------------------------------------------------------------------------------ vLLM
 
 
@@ -453,6 +515,7 @@ STAGES: dict[str, Callable] = {
     "int4-qat": stage_int4_qat,
     "tinker-lora": stage_tinker_lora,
     "tied-sync": stage_tied_sync,
+    "delta-sync": stage_delta_sync,
     "vllm": stage_vllm,
 }
 

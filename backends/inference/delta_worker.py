@@ -6,9 +6,10 @@ The orchestrator calls it through vLLM's ``/collective_rpc`` (``load_policy_vers
 worker of the engine. It answers with what it did rather than raising, so that the orchestrator can
 tell a delta it could not use (ask the learner for the version whole) from an engine failure:
 
-- ``{"ok": true, "version": k, "how": "delta"}``: applied to the version held;
-- ``"how": "rebuilt"``: the worker held another version (a restarted engine, a pool engine, the
-  run's first delta), so it read the last full version and every delta after it;
+- ``{"ok": true, "version": k, "how": "delta"}``: applied to the version held (with the deltas in
+  between, where ``--async`` skipped versions);
+- ``"how": "rebuilt"``: the worker held no version on the delta's chain (a restarted engine, a pool
+  engine, the run's first delta), so it read the chain's whole version and every delta after it;
 - ``"how": "full"``: a full version (a directory of safetensors);
 - ``{"ok": false, "error": ...}``: no version ``k`` to be had from these files (a file missing or not
   checking out). The engine keeps serving the version it had.
@@ -29,7 +30,7 @@ class PolicyVersions:
 
     def load_policy_version(self, path: str, version: str) -> dict:
         # lazy: vLLM imports the extension class in every worker; torch is loaded there already
-        from backends.inference.deltas import DeltaError, apply_delta, is_delta, read_full, read_manifest, rebuild
+        from backends.inference.deltas import DeltaError, chain, is_delta, read_full, rebuild
 
         target = int(version)
         held = self._skyrl_held
@@ -37,17 +38,13 @@ class PolicyVersions:
             if not is_delta(path):
                 tensors, how = read_full(path), "full"
             else:
-                tensors, how = None, "rebuilt"
-                if held is not None and held[0] == read_manifest(path)["base"]:
-                    try:
-                        tensors, how = apply_delta(path, held[0], held[1]), "delta"
-                    except DeltaError as err:
-                        log.warning("delta v%d: %s; rebuilding from the last full version", target, err)
-                if tensors is None:
-                    rebuilt, tensors = rebuild(path)
-                    if rebuilt != target:
-                        raise DeltaError(f"{path} holds v{rebuilt}, not v{target}")
+                on_chain = held is not None and held[0] in chain(path)
+                rebuilt, tensors = rebuild(path, held if on_chain else None)
+                how = "delta" if on_chain else "rebuilt"
+                if rebuilt != target:
+                    raise DeltaError(f"{path} holds v{rebuilt}, not v{target}")
         except DeltaError as err:
+            log.warning("v%d: %s", target, err)
             return {"ok": False, "error": str(err)}
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         self._skyrl_held = (target, tensors)

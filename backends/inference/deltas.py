@@ -179,14 +179,19 @@ def version_dir(directory: str | Path, version: int) -> Path:
     return Path(directory).parent / f"v{version}"
 
 
-def rebuild(directory: str | Path) -> tuple[int, dict[str, torch.Tensor]]:
-    """(the version, its tensors) of ``directory``, a full version or a delta, read from its full
-    version and every delta after it. ``DeltaError`` names the first file that does not check out."""
+def rebuild(directory: str | Path, held: tuple[int, dict] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """(the version, its tensors) of ``directory``, a full version or a delta: from ``held`` (a
+    version and its tensors) where that version is on the delta's chain, else from the chain's whole
+    version, then every delta after it in order. ``DeltaError`` names the first file that does not
+    check out."""
     directory = Path(directory)
     if not is_delta(directory):
         return int(directory.name.removeprefix("v")), read_full(directory)
     target = read_manifest(directory)
-    version, tensors = target["full"], read_full(version_dir(directory, target["full"]))
+    if held is not None and target["full"] <= held[0] <= target["version"]:
+        version, tensors = held
+    else:
+        version, tensors = target["full"], read_full(version_dir(directory, target["full"]))
     while version < target["version"]:
         step = version_dir(directory, version + 1)
         tensors = apply_delta(step, version, tensors)

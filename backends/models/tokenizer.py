@@ -52,9 +52,11 @@ CHAR_CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(alphabet: Iterable[str]):
+def build_char_tokenizer(alphabet: Iterable[str], vocab_size: int | None = None):
     """A ``PreTrainedTokenizerFast`` with one token per character of ``alphabet`` plus the special
-    tokens (ids 0..6: pad, bos, eos, unk, system, user, assistant markers)."""
+    tokens (ids 0..6: pad, bos, eos, unk, system, user, assistant markers). ``vocab_size``: filler
+    tokens (``<|fill<i>|>``) up to that size, which no text encodes to but every id decodes from: a
+    model of a real model's vocabulary (Qwen2.5's 151936) served with this tokenizer."""
     # lazy: tokenizers/transformers (imports torch); the orchestrator imports this module before its tokenizer lap
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
@@ -66,6 +68,8 @@ def build_char_tokenizer(alphabet: Iterable[str]):
     for ch in chars:
         vocab.setdefault(ch, len(vocab))
     vocab[TOOL_MARKER] = len(vocab)
+    for i in range(len(vocab), vocab_size or 0):
+        vocab[f"<|fill{i}|>"] = i
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     core.decoder = decoders.Fuse()  # join characters without separators
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, TOOL_MARKER)])

@@ -62,6 +62,12 @@ def test_twenty_versions_apply_to_the_last_bit_and_rebuild_from_the_whole_one(tm
     assert version == 20 and all(bits(rebuilt[k]) == bits(versions[20][k]) for k in master)
     assert chain(tmp_path / "v20") == range(0, 21) and chain(tmp_path / "v0") == range(0, 1)
     assert is_delta(tmp_path / "v3") and not is_delta(tmp_path / "v0")
+    # versions skipped (--async loads the newest): from the version held, through the deltas between
+    (tmp_path / "v0" / "model.safetensors").unlink()
+    version, advanced = rebuild(tmp_path / "v20", (15, versions[15]))
+    assert version == 20 and all(bits(advanced[k]) == bits(versions[20][k]) for k in master)
+    with pytest.raises(DeltaError, match="no weights"):  # a version held off the chain is not used
+        rebuild(tmp_path / "v20", (25, versions[20]))
 
 
 @pytest.fixture
