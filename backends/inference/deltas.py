@@ -37,7 +37,7 @@ MANIFEST = DELTA_MANIFEST
 BLOB = "delta.bin"
 ENCODING = "xor-zstd"
 WORKERS = min(16, os.cpu_count() or 1)
-ZSTD_LEVEL = 3  # zstd's default level; not tuned
+ZSTD_LEVEL = 1  # on a 0.5B embedding's delta (3% changed): the same 9.7 MB as level 3, in 0.62 s instead of 0.84
 
 
 def int_view(element_size: int):
