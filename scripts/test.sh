@@ -11,4 +11,7 @@ if [[ $# -eq 0 ]]; then  # the whole suite (CI's command) checks the formatting 
     "$VENV_BIN/ruff" format --check --quiet . || { echo "test: ruff format --check failed: run ruff format ." >&2; exit 1; }
     "$VENV_BIN/ruff" check --quiet .
 fi
-exec "$VENV_BIN/python" -m pytest -q "${@:-tests}"
+if [[ $# -eq 0 ]]; then
+    exec "$VENV_BIN/python" -m pytest -q --durations=30 tests
+fi
+exec "$VENV_BIN/python" -m pytest -q "$@"
