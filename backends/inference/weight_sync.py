@@ -156,12 +156,28 @@ async def sync_weights(
             engine_urls, weights_dir, version, reset_prefix_cache=reset_prefix_cache, http=http, timeout_s=timeout_s
         )
     weights_path = str(Path(weights_dir).resolve())
-    version = str(version)
 
-    async def update(client: httpx.AsyncClient, url: str) -> None:
+    async def reload(client: httpx.AsyncClient, url: str) -> None:
         await _post(
             client, url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
         )
+
+    return await _load_and_label(engine_urls, str(version), reload, reset_prefix_cache, http, timeout_s)
+
+
+async def _load_and_label(
+    engine_urls: Sequence[str],
+    version: str,
+    load: Callable[[httpx.AsyncClient, str], Awaitable[None]],
+    reset_prefix_cache: bool,
+    http: httpx.AsyncClient | None,
+    timeout_s: float,
+) -> WeightSyncResult:
+    """``load`` new weights into every engine between pause and resume, then reset the prefix cache
+    where asked and label the weights ``version``."""
+
+    async def update(client: httpx.AsyncClient, url: str) -> None:
+        await load(client, url)
         if reset_prefix_cache:
             await _post(client, url, "/reset_prefix_cache")
         await _post(client, url, "/update_weight_version", {"new_version": version})
@@ -188,18 +204,15 @@ async def sync_policy_version(
     weights_path = str(Path(weights_dir).resolve())
     version = str(version)
 
-    async def update(client: httpx.AsyncClient, url: str) -> None:
+    async def load(client: httpx.AsyncClient, url: str) -> None:
         rpc = {"method": "load_policy_version", "kwargs": {"path": weights_path, "version": version}}
         answers = (await _post(client, url, "/collective_rpc", rpc)).get("results") or [None]
         refused = [a for a in answers if not (isinstance(a, dict) and a.get("ok"))]
         if refused:
             why = refused[0].get("error") if isinstance(refused[0], dict) else f"answered {refused[0]!r}"
             raise DeltaRefused(f"{url}: v{version}: {why}")
-        if reset_prefix_cache:
-            await _post(client, url, "/reset_prefix_cache")
-        await _post(client, url, "/update_weight_version", {"new_version": version})
 
-    return await _for_each_engine(engine_urls, version, update, http, timeout_s)
+    return await _load_and_label(engine_urls, version, load, reset_prefix_cache, http, timeout_s)
 
 
 async def sync_transferred(
