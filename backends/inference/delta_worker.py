@@ -21,25 +21,29 @@ held tensors are one copy of the model in host memory per worker, in the engines
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 log = logging.getLogger("skyrl.delta")
 
 
 class PolicyVersions:
-    _skyrl_held: tuple[int, dict] | None = None
+    # (the run's weights directory, the version, its tensors): a pool engine's version numbers from
+    # the run before mean other tensors, so a version is on a chain only within its own run
+    _skyrl_held: tuple[str, int, dict] | None = None
 
     def load_policy_version(self, path: str, version: str) -> dict:
         # lazy: vLLM imports the extension class in every worker; torch is loaded there already
         from backends.inference.deltas import DeltaError, chain, is_delta, read_full, rebuild
 
         target = int(version)
+        weights = str(Path(path).resolve().parent)
         held = self._skyrl_held
         try:
             if not is_delta(path):
                 tensors, how = read_full(path), "full"
             else:
-                on_chain = held is not None and held[0] in chain(path)
-                rebuilt, tensors = rebuild(path, held if on_chain else None)
+                on_chain = held is not None and held[0] == weights and held[1] in chain(path)
+                rebuilt, tensors = rebuild(path, held[1:] if on_chain else None)
                 how = "delta" if on_chain else "rebuilt"
                 if rebuilt != target:
                     raise DeltaError(f"{path} holds v{rebuilt}, not v{target}")
@@ -47,7 +51,7 @@ class PolicyVersions:
             log.warning("v%d: %s", target, err)
             return {"ok": False, "error": str(err)}
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        self._skyrl_held = (target, tensors)
+        self._skyrl_held = (weights, target, tensors)
         return {"ok": True, "version": target, "how": how}
 
     def policy_checksums(self) -> dict:
