@@ -25,6 +25,8 @@ fi
 declare -A CARRIED=(
   [deepspeed]="deepspeed hjson einops nvidia_ml_py"
   [pydantic]="pydantic pydantic_core annotated_types typing_inspection"
+  [zstandard]="zstandard"
+  [torchao]="torchao"
 )
 
 fetch_wheels() {
@@ -32,7 +34,7 @@ fetch_wheels() {
   "$PY" -m pip wheel --no-deps -w "$WHEELS" "deepspeed==0.19.8"
   "$PY" -m pip download --no-deps --only-binary :all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" \
-    pydantic pydantic-core annotated-types typing-inspection hjson einops nvidia-ml-py
+    pydantic pydantic-core annotated-types typing-inspection hjson einops nvidia-ml-py zstandard torchao==0.18.0
   du -sh "$WHEELS"
 }
 
