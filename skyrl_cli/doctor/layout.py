@@ -14,6 +14,7 @@ from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.feasibility import feasibility_problems
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.rl import inference_machine
+from skyrl_cli.plan.shape import ModelShape
 from skyrl_cli.plan.trainer import trainer_device
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.validate import resolve_path
@@ -26,7 +27,6 @@ from skyrl_contracts.schema import Recipe
 CHECKPOINT_BYTES_PER_PARAM = 20
 MODEL_BYTES_PER_PARAM = 4
 RL_WEIGHT_VERSIONS_ON_DISK = 2
-CHAR_VOCAB = 64  # a character tokenizer's vocabulary, padded (backends.models.tiny)
 GIB = 1024**3
 
 
@@ -137,9 +137,7 @@ def model_parameters(recipe: Recipe, base_dir: Path) -> int | None:
     """Parameters of the recipe's model: from ``model.init``'s shape, or its weight files' size."""
     init = recipe.model.init
     if init is not None:
-        h, inter = init.hidden_size, init.intermediate_size or 4 * init.hidden_size
-        vocab = CHAR_VOCAB if recipe.model.tokenizer == "char" else 32000
-        return init.layers * (4 * h * h + 3 * h * inter + 2 * h) + 2 * vocab * h + h
+        return ModelShape.from_init(init, recipe.model.tokenizer).parameters()
     folder = resolve_path(recipe.model.path, base_dir)
     files = [p for pattern in ("*.safetensors", "*.bin") for p in folder.glob(pattern)]
     if not files:

@@ -13,7 +13,6 @@ SFT stage trains.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterable
@@ -21,6 +20,7 @@ from typing import Iterable
 from skyrl_cli.plan.inference import VLLM_HEAD_SIZES, VLLM_LORA_RANKS
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.nodes import cluster_layout
+from skyrl_cli.plan.shape import LLAMA_LIKE, ModelShape, config_json, shape_at
 from skyrl_cli.plan.trainer import trainer_device, world_size
 from skyrl_cli.plan.weight_sync import weight_sync_problems
 from skyrl_cli.recipe.loader import load_recipe
@@ -199,7 +199,7 @@ def _model_type(recipe: Recipe, base_dir: Path) -> str | None:
     """The architecture of the recipe's model (``config.json``'s model_type); None when unknown."""
     if recipe.model.init is not None:
         return recipe.model.init.arch
-    model_type = (_config_json(resolve_path(recipe.model.path, base_dir)) or {}).get("model_type")
+    model_type = (config_json(resolve_path(recipe.model.path, base_dir)) or {}).get("model_type")
     return model_type if isinstance(model_type, str) else None  # a hand-edited config may hold anything
 
 
@@ -230,57 +230,11 @@ def lora_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
 
 # ------------------------------------------------------------------------------------ quantization
 
-# Architectures whose decoder Linear layers are Llama's (names and input widths below).
-LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-
-def _config_json(model_dir: Path) -> dict | None:
-    try:
-        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _llama_shape(recipe: Recipe, base_dir: Path) -> dict | None:
-    """hidden / intermediate / attention widths and layer count of the model ``skyrl quantize``
-    starts from (``quantization.init_from``, else the recipe's model); None when unknown."""
-    init, source = recipe.model.init, recipe.quantization.init_from
-    if source == "sft" and init is not None:
-        return {
-            "hidden": init.hidden_size,
-            "intermediate": init.intermediate_size or 4 * init.hidden_size,
-            "attention": init.hidden_size,
-            "layers": init.layers,
-        }
-    config = _config_json(resolve_path(recipe.model.path if source == "sft" else source, base_dir))
-    if not config or not isinstance(config.get("model_type"), str) or config["model_type"] not in LLAMA_LIKE:
-        return None
-    try:
-        heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
-        attention = heads * int(config.get("head_dim") or hidden // heads)
-        return {
-            "hidden": hidden,
-            "intermediate": int(config["intermediate_size"]),
-            "attention": attention,
-            "layers": int(config["num_hidden_layers"]),
-        }
-    except (KeyError, TypeError, ValueError, ArithmeticError):  # no heads, Infinity, ...: shape unknown
-        return None
-
-
-def llama_linear_inputs(shape: dict) -> dict[str, int]:
+def llama_linear_inputs(shape: ModelShape) -> dict[str, int]:
     """Input width of every decoder Linear layer of a Llama-like model, by module name."""
-    widths = {
-        "self_attn.q_proj": "hidden",
-        "self_attn.k_proj": "hidden",
-        "self_attn.v_proj": "hidden",
-        "self_attn.o_proj": "attention",
-        "mlp.gate_proj": "hidden",
-        "mlp.up_proj": "hidden",
-        "mlp.down_proj": "intermediate",
-    }
-    return {f"model.layers.{i}.{name}": shape[key] for i in range(shape["layers"]) for name, key in widths.items()}
+    widths = {name: n_in for name, (n_in, _) in shape.linear_layers().items()}
+    return {f"model.layers.{i}.{name}": width for i in range(shape.layers) for name, width in widths.items()}
 
 
 def _target_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
@@ -294,7 +248,8 @@ def _target_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
                 "quantizes the decoder's Linear layers); remove it",
             )
         ]
-    shape = _llama_shape(recipe, base_dir)
+    # what skyrl quantize starts from: quantization.init_from, "sft" being the recipe's own model
+    shape = shape_at(quant.init_from, recipe, base_dir)
     if shape is None:  # an architecture we do not know: the quantizer checks it at its start
         return []
     chosen = {name: width for name, width in llama_linear_inputs(shape).items() if quant.selects(name)}

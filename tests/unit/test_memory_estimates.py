@@ -1,0 +1,177 @@
+"""The memory estimates (``skyrl_cli.plan.memory``) against DeepSpeed's own estimators, hand-computed
+KV-cache figures, and torch's saved-tensor accounting of one decoder layer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skyrl_cli.plan.memory import (
+    ENGINE_RESERVE_BYTES,
+    GIB,
+    TrainerSetup,
+    engine_memory,
+    engine_weight_bytes,
+    kv_bytes_per_token,
+    layer_activation_bytes,
+    lora_parameters,
+    trainer_rank_memory,
+)
+from skyrl_cli.plan.shape import ModelShape
+from tests.docs_blocks import REPO
+
+CONFIGS = REPO / "benchmarks" / "model_configs"
+SIZES = ("0.5b", "1.5b", "7b")
+# Qwen2.5's published sizes (the model cards: 0.49 B, 1.54 B, 7.61 B parameters).
+PUBLISHED_PARAMETERS = {"0.5b": 494_032_768, "1.5b": 1_543_714_304, "7b": 7_615_616_512}
+
+
+def _config(size: str) -> dict:
+    return json.loads((CONFIGS / f"qwen2.5-{size}-instruct.json").read_text())
+
+
+def _shape(size: str) -> ModelShape:
+    shape = ModelShape.from_config(_config(size))
+    assert shape is not None
+    return shape
+
+
+@pytest.fixture(scope="module")
+def meta_models():
+    """Each config built by transformers on the meta device: DeepSpeed's parameter counts (its
+    ``model_to_params`` reads data pointers, which meta tensors lack, so the same sums by module)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    counts = {}
+    for size in SIZES:
+        with torch.device("meta"):
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_config(size)))
+        total = sum(p.numel() for p in model.parameters())  # a tied head is listed once
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        counts[size] = (total, largest)
+    return counts
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_parameter_counts_match_the_model_transformers_builds(size, meta_models):
+    shape = _shape(size)
+    total, largest = meta_models[size]
+    assert shape.parameters() == total == PUBLISHED_PARAMETERS[size]
+    assert shape.largest_module_parameters() == largest
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_zero_model_states_within_10_percent_of_deepspeeds_estimators(size, ranks, meta_models):
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    total, largest = meta_models[size]
+    _, zero2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(total, ranks, cpu_offload=False)
+    _, zero3, _ = stage3.estimate_zero3_model_states_mem_needs(total, largest, ranks, cpu_offload=False)
+    ours = {
+        stage: trainer_rank_memory(_shape(size), TrainerSetup(ranks, stage, micro_batch_tokens=1)).model_states
+        for stage in (2, 3)
+    }
+    assert ours[2] == zero2  # the same 2 + 18 / N bytes a parameter
+    assert abs(ours[3] / zero3 - 1) < 0.10, (ours[3] / GIB, zero3 / GIB)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_offloaded_states_match_deepspeeds_estimators(size, meta_models):
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    total, largest = meta_models[size]
+    shape = _shape(size)
+    _, zero2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(total, 4, cpu_offload=True)
+    _, zero3, _ = stage3.estimate_zero3_model_states_mem_needs(
+        total, largest, 4, cpu_offload=True, cpu_offload_params=False
+    )
+    _, zero3_params, _ = stage3.estimate_zero3_model_states_mem_needs(
+        total, largest, 4, cpu_offload=True, cpu_offload_params=True
+    )
+    offloaded = {
+        (stage, offload): trainer_rank_memory(shape, TrainerSetup(4, stage, 1, offload=offload)).model_states
+        for stage, offload in ((2, "optimizer"), (3, "optimizer"), (3, "optimizer+parameters"))
+    }
+    assert offloaded[2, "optimizer"] == zero2
+    assert offloaded[3, "optimizer"] == zero3
+    assert offloaded[3, "optimizer+parameters"] == zero3_params
+
+
+def test_zero_stages_by_hand_for_the_1_5b_model():
+    p = PUBLISHED_PARAMETERS["1.5b"]
+    shape = _shape("1.5b")
+    zero0 = trainer_rank_memory(shape, TrainerSetup(4, 0, 1))
+    zero1 = trainer_rank_memory(shape, TrainerSetup(4, 1, 1))
+    assert zero0.model_states == 2 * p + 2 * p + 16 * p  # bf16 weights and gradients, fp32 grads, master, Adam
+    assert zero1.model_states == 2 * p + 2 * p + 16 * p // 4
+    fp32 = trainer_rank_memory(shape, TrainerSetup(4, 2, 1, weight_bytes=4))
+    assert fp32.model_states == 4 * p + (4 + 8) * p // 4  # no master copy, no separate fp32 gradients
+
+
+def test_lora_trains_only_adapters_and_keeps_the_base_whole():
+    shape = _shape("1.5b")
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapters = lora_parameters(shape, 32, targets)
+    # per layer: r x (in + out) of q (1536->1536), k, v (1536->256), o (1536->1536), gate, up (1536->8960), down
+    per_layer = 32 * ((1536 + 1536) * 2 + (1536 + 256) * 2 + (1536 + 8960) * 3)
+    assert adapters == 28 * per_layer
+    lora = trainer_rank_memory(shape, TrainerSetup(4, 2, 1, lora_rank=32, lora_targets=targets))
+    assert lora.weights == 2 * shape.parameters()
+    assert lora.optimizer == 8 * adapters // 4
+
+
+def test_kv_cache_per_token_by_hand():
+    # 2 (keys and values) x layers x KV heads x head_dim x 2 bytes (bf16)
+    assert kv_bytes_per_token(_shape("0.5b"), 2) == 2 * 24 * 2 * 64 * 2 == 12_288
+    assert kv_bytes_per_token(_shape("1.5b"), 2) == 2 * 28 * 2 * 128 * 2 == 28_672
+    assert kv_bytes_per_token(_shape("7b"), 2) == 2 * 28 * 4 * 128 * 2 == 57_344
+    assert kv_bytes_per_token(_shape("7b"), 2, tensor_parallel=2) == 2 * 28 * 2 * 128 * 2
+    # 2 KV heads over 4 GPUs: vLLM keeps one head on each (replicated), not half a head
+    assert kv_bytes_per_token(_shape("1.5b"), 2, tensor_parallel=4) == 2 * 28 * 1 * 128 * 2
+
+
+def test_trajectories_that_fit_in_an_80_gib_engine_by_hand():
+    shape = _shape("1.5b")
+    engine = engine_memory(shape, 80 * GIB, 0.85, tensor_parallel=1, trajectory_tokens=1536)
+    kv_cache = int(0.85 * 80 * GIB) - 2 * 1_543_714_304 - ENGINE_RESERVE_BYTES
+    assert engine.kv_cache == kv_cache
+    assert engine.tokens == kv_cache // 28_672
+    assert engine.trajectories == kv_cache // 28_672 // 1536 == 1539
+
+
+def test_int4_engine_weights():
+    shape = _shape("7b")
+    linear = 28 * shape.layer_linear_parameters()
+    expected = linear // 2 + linear * 2 // 32 + 2 * (shape.parameters() - linear)
+    assert abs(engine_weight_bytes(shape, 2, int4_group=32) - expected) <= 1
+    assert engine_weight_bytes(shape, 2) == 2 * shape.parameters()
+
+
+def test_layer_activations_match_what_autograd_saves():
+    """Two decoder layers at the 1.5B model's widths (vocabulary cut to 1024), 128 tokens in bf16:
+    the bytes autograd saves for backward, by storage, against the formula's layers, final norm
+    and the log-softmax's fp32 output."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = dict(_config("1.5b"), num_hidden_layers=2, vocab_size=1024, bos_token_id=0, eos_token_id=1)
+    config = transformers.Qwen2Config(**config)
+    config._attn_implementation = "sdpa"
+    model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+    tokens = 128
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        saved.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        return tensor
+
+    ids = torch.randint(0, 1024, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(input_ids=ids, position_ids=torch.arange(tokens)[None], use_cache=False).logits
+        torch.log_softmax(logits.float(), dim=-1)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(size for ptr, size in saved.items() if ptr not in weights)
+    shape = ModelShape.from_config(config.to_dict())
+    expected = tokens * (2 * layer_activation_bytes(shape) + 3 * 2 * shape.hidden + 4 * shape.vocab)
+    assert abs(measured / expected - 1) < 0.05, (measured, expected)
