@@ -44,7 +44,7 @@ def recipe_checks(recipe: Recipe, machine: MachineFacts, base_dir: Path, quick: 
     # lazy: command implementation; skyrl --help stays fast
     from skyrl_cli.doctor import layout, network
     from skyrl_cli.doctor.checks import skipped
-    from skyrl_cli.doctor.environment import gpu_memory
+    from skyrl_cli.plan.machine import gpu_memory
     from skyrl_contracts.rundir import RUNS_ROOT
 
     fits = layout.check_layout(recipe, machine, base_dir)

@@ -6,11 +6,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from skyrl_cli.commands import common
+from skyrl_cli.plan.roofline import DEFAULT_GPU_TYPE, GPU_TYPES
 from skyrl_contracts.errors import RecipeError, UsageError
 
 
@@ -48,16 +49,45 @@ def cp(
     typer.echo(copy_recipe(name, dest, force))
 
 
+GpuMemoryOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--gpu-memory",
+        min=0.1,
+        metavar="GIB",
+        help="Memory of each GPU in GiB: print the memory and step-time estimates, refuse what does not fit, "
+        "and propose the splits of --gpus GPUs that do (default with --gpu-type: that type's).",
+    ),
+]
+GpuTypeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--gpu-type",
+        metavar="TYPE",
+        help=f"GPU type of the step-time roofline: {', '.join(GPU_TYPES)} (default {DEFAULT_GPU_TYPE}); "
+        "also sets --gpu-memory when that is not given.",
+    ),
+]
+
+
 def validate(
     files: Annotated[list[str], typer.Argument(help="Recipe files (or built-in names).")],
     set_: common.SetOpt = None,
     gpus: common.GpusOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    gpu_type: GpuTypeOpt = None,
 ) -> None:
-    """Check recipes and report every problem at once as file:line: key.path: message (exit 2)."""
+    """Check recipes and report every problem at once as file:line: key.path: message (exit 2).
+
+    With --gpu-memory or --gpu-type: also the memory of every process, the step time on paper, what does not fit, and the splits that do.
+    """  # one line a paragraph: typer's rich help keeps a docstring's line breaks
     problems: list[str] = []
     for file in files:
         try:
-            common.load_for_run(file, set_, stage=None, gpu_count=gpus, preflight=True)
+            if gpu_memory is not None or gpu_type is not None:
+                _sized(file, set_, gpus, gpu_memory, gpu_type)
+            else:
+                common.load_for_run(file, set_, stage=None, gpu_count=gpus, preflight=True)
         except RecipeError as err:
             problems += err.problems
         except UsageError as err:
@@ -66,6 +96,43 @@ def validate(
             typer.echo(f"ok: {file}")
     if problems:
         raise RecipeError(problems)
+
+
+# A machine with GPUs enough for any layout: the recipe is loaded against it, and then its layout is
+# checked against the machine asked about (with the estimates, and proposals even when it does not fit).
+ANY_LAYOUT_GPUS = 1024
+
+
+def _sized(file: str, sets: list[str] | None, gpus: int | None, gpu_memory: float | None, gpu_type: str | None) -> None:
+    """``validate --gpu-memory/--gpu-type``: the estimates and proposals printed, then what does not
+    fit the machine raised as recipe problems."""
+    # lazy: command implementation; skyrl --help stays fast
+    from skyrl_cli.plan.feasibility import feasibility_problems
+    from skyrl_cli.plan.fit import Hardware
+    from skyrl_cli.plan.fit_text import recipe_estimates
+    from skyrl_cli.plan.machine import detect_machine
+    from skyrl_cli.plan.memory import GIB
+    from skyrl_cli.plan.roofline import gpu_type_named
+    from skyrl_cli.plan.trainer import trainer_device
+    from skyrl_cli.recipe.loader import format_problems
+    from skyrl_cli.recipe.registry import resolve_recipe_arg
+
+    kind = gpu_type_named(gpu_type or DEFAULT_GPU_TYPE)
+    if kind is None or (gpu_type is not None and gpu_type.lower() not in GPU_TYPES):
+        raise UsageError(f"--gpu-type {gpu_type}: not a GPU type of the roofline ({', '.join(GPU_TYPES)})")
+    machine = detect_machine(gpus)
+    if not machine.gpus:
+        raise UsageError("--gpu-memory and --gpu-type size a GPU machine: give --gpus N (none is visible here)")
+    recipe = common.load_for_run(file, sets, stage=None, gpu_count=ANY_LAYOUT_GPUS, preflight=True)
+    memory = gpu_memory if gpu_memory is not None else GPU_TYPES[kind].memory_gib
+    hardware = Hardware(len(machine.gpus), int(memory * GIB), GPU_TYPES[kind], trainer_device(recipe, machine))
+    path = resolve_recipe_arg(file)
+    lines, misfits = recipe_estimates(recipe, hardware, machine, path.resolve().parent, propose=True)
+    for line in lines:
+        typer.echo(line)
+    problems = feasibility_problems(recipe, machine, path.resolve().parent) + misfits
+    if problems:
+        raise RecipeError(format_problems(path, sets or (), problems))
 
 
 def schema() -> None:

@@ -17,6 +17,7 @@ from packaging.specifiers import SpecifierSet
 
 from skyrl_cli.doctor.checks import Check, failed, passed, python_child, skipped
 from skyrl_cli.plan.inference import Machine, router_binary
+from skyrl_cli.plan.machine import gpu_memory
 from skyrl_contracts.ports import find_free_ports
 
 DISTRIBUTION = "skyrl-cli"
@@ -88,23 +89,6 @@ def check_packages(extra: str) -> list[Check]:
         return problems
     also = f", and the {len(wanted)} of ${REQUIRE_ENV}" if wanted else ""
     return [passed("packages", f"{len(tested)} of the tested {extra} set installed at tested versions{also}")]
-
-
-def gpu_memory() -> list[tuple[int, str, float, float]]:
-    """``(index, name, total GiB, free GiB)`` of each GPU nvidia-smi lists (none without it)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    query = [exe, "--query-gpu=index,name,memory.total,memory.free", "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    gpus = []
-    for line in out.strip().splitlines():
-        index, name, total, free = (part.strip() for part in line.split(","))
-        gpus.append((int(index), name, float(total) / 1024, float(free) / 1024))
-    return gpus
 
 
 def check_gpus(gpu_count: int) -> Check:

@@ -48,6 +48,23 @@ def visible_gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def gpu_memory() -> list[tuple[int, str, float, float]]:
+    """``(index, name, total GiB, free GiB)`` of each GPU nvidia-smi lists (none without it)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    query = [exe, "--query-gpu=index,name,memory.total,memory.free", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        index, name, total, free = (part.strip() for part in line.split(","))
+        gpus.append((int(index), name, float(total) / 1024, float(free) / 1024))
+    return gpus
+
+
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 

@@ -100,6 +100,15 @@ def _raise(lines: list[tuple[int, str]]) -> None:
     raise RecipeError([_one_line(text) for _, text in lines])
 
 
+def format_problems(path: str | os.PathLike, sets: Iterable[str], problems: list[Problem]) -> list[str]:
+    """Problems found after loading (``skyrl_cli.plan.fit``: what does not fit a machine) as the
+    loader's own ``file:line: key.path: message`` lines, in line order."""
+    overrides, _ = parse_overrides(sets)
+    fmt = _Formatter(str(path), Path(path).read_text(encoding="utf-8"), overrides)
+    lines = sorted((fmt(p) for p in problems), key=lambda pair: pair[0])
+    return [_one_line(text) for _, text in lines]
+
+
 def load_recipe(
     path: str | os.PathLike,
     sets: Iterable[str] = (),
