@@ -51,7 +51,9 @@ def recipe_checks(recipe: Recipe, machine: MachineFacts, base_dir: Path, quick: 
     yield from fits
     layout_fits = not any(check.failed for check in fits)
     if layout_fits:
-        yield from layout.check_gpu_memory(recipe, machine, gpu_memory())
+        gpus = gpu_memory() if machine.gpus else []
+        yield from layout.check_gpu_memory(recipe, machine, gpus)
+        yield from layout.check_estimates(recipe, machine, base_dir, gpus)
     yield from _ports(recipe, machine, layout_fits)
     yield layout.check_disk(recipe, base_dir, RUNS_ROOT)
     if quick:

@@ -12,9 +12,11 @@ from pathlib import Path
 from skyrl_cli.doctor.checks import Check, failed, passed, skipped
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.feasibility import feasibility_problems
+from skyrl_cli.plan.fit import estimate, memory_problems
+from skyrl_cli.plan.fit_text import engine_lines, hardware_here, trainer_lines
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.rl import inference_machine
-from skyrl_cli.plan.shape import ModelShape
+from skyrl_cli.plan.shape import ModelShape, trained_shape
 from skyrl_cli.plan.trainer import trainer_device
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.validate import resolve_path
@@ -75,6 +77,27 @@ def check_gpu_memory(recipe: Recipe, machine: MachineFacts, gpus: list[tuple[int
                     f"GPU {gpu} ({name}): {free:.1f} of {total:.1f} GiB free, the engine takes {share:.0%}",
                 )
             )
+    return checks
+
+
+def check_estimates(
+    recipe: Recipe, machine: MachineFacts, base_dir: Path, gpus: list[tuple[int, str, float, float]]
+) -> list[Check]:
+    """The memory each process of the recipe needs (``skyrl_cli.plan.fit``) against this host's
+    GPUs: one line a trainer stage and one for the engines."""
+    hardware = hardware_here(recipe, machine, gpus)
+    shape = trained_shape(recipe, base_dir)
+    if shape is None:
+        return [skipped("memory", "the model's shape is unknown (no config.json of a Llama-family model)")]
+    est = estimate(recipe, shape, hardware)
+    misfits = {p.path: p for p in memory_problems(recipe, est, hardware)}
+    lines = [line for line in trainer_lines(est, hardware) if not line.startswith(" ")] + engine_lines(est, hardware)
+    checks = [passed("memory", line) for line in lines if "DOES NOT FIT" not in line]
+    propose = f"skyrl recipes validate RECIPE --gpus {hardware.gpus} --gpu-memory {hardware.gib or 80:g} proposes splits that fit"
+    checks += [
+        failed("memory", f"{dotted(p.path)}: {p.message}", f"change {dotted(p.path)}; {propose}")
+        for p in misfits.values()
+    ]
     return checks
 
 

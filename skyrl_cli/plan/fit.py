@@ -297,7 +297,10 @@ def estimate(recipe: Recipe, shape: ModelShape, hardware: Hardware) -> Estimate:
     trainers = []
     for stage in stages:
         setup = trainer_setup(recipe, stage, hardware)
-        trainers.append(TrainerFit(stage, setup, trainer_rank_memory(shape, setup)))
+        memory = trainer_rank_memory(shape, setup)
+        if hardware.device != "cuda":  # no CUDA context or NCCL buffers in RAM
+            memory = replace(memory, reserve=0)
+        trainers.append(TrainerFit(stage, setup, memory))
     engine = _engine(recipe, shape, hardware)
     asks = _engine_asks(recipe) if recipe.rl is not None else 0
     roofline = hardware.gpu is not None and hardware.device == "cuda"

@@ -8,7 +8,9 @@ from pathlib import Path
 from skyrl_cli.plan.fit import Estimate, Hardware, estimate, memory_problems, proposals
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.memory import GIB
+from skyrl_cli.plan.roofline import GPU_TYPES, gpu_type_named
 from skyrl_cli.plan.shape import ModelShape, trained_shape
+from skyrl_cli.plan.trainer import trainer_device
 from skyrl_cli.recipe.validate import Problem
 from skyrl_contracts.schema import Recipe
 
@@ -29,9 +31,13 @@ def hardware_line(hardware: Hardware) -> str:
     return f"{where} (roofline: {gpu.name}, {rates})"
 
 
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f} B" if parameters >= 1e8 else f"{parameters / 1e6:.2f} M"
+
+
 def shape_line(shape: ModelShape) -> str:
     return (
-        f"model: {shape.model_type}, {shape.parameters() / 1e9:.2f} B parameters ({shape.layers} layers, "
+        f"model: {shape.model_type}, {_count(shape.parameters())} parameters ({shape.layers} layers, "
         f"hidden {shape.hidden}, {shape.kv_heads} KV heads of {shape.head_dim})"
     )
 
@@ -65,7 +71,7 @@ def engine_lines(est: Estimate, hardware: Hardware) -> list[str]:
     if hardware.device != "cuda":
         where = f"{layout.engines} engine{'s' if layout.engines > 1 else ''} on CPU"
     return [
-        f"{where}: weights {_gib(engine.weights)} GiB a GPU, KV cache {_gib(engine.kv_cache)} GiB = "
+        f"{where}: weights {_gib(engine.weights)} GiB{' a GPU' if hardware.device == 'cuda' else ''}, KV cache {_gib(engine.kv_cache)} GiB = "
         f"{engine.tokens:,} tokens = {engine.trajectories:,} trajectories of {engine.trajectory_tokens} tokens "
         f"at once (the recipe runs up to {est.engine_asks} on an engine)"
     ]
@@ -147,3 +153,16 @@ def recipe_estimates(
         splits = proposals(recipe, shape, hardware, machine, base_dir)
         lines += proposal_block(splits, hardware, stages, est.layout.engines > 0)
     return lines, memory_problems(recipe, est, hardware)
+
+
+def hardware_here(recipe: Recipe, machine: MachineFacts, listed: list[tuple[int, str, float, float]]) -> Hardware:
+    """This host as the estimates see it: the trainer's device, and on GPUs the smallest memory
+    and the type of the visible ones (``listed``: ``skyrl_cli.plan.machine.gpu_memory()``)."""
+    if trainer_device(recipe, machine) != "cuda":
+        return Hardware(0, None, None, "cpu")
+    visible = [gpu for gpu in listed if gpu[0] in machine.gpus]
+    if not visible:
+        return Hardware(len(machine.gpus), None, None)
+    kind = gpu_type_named(visible[0][1])
+    total = min(gpu[2] for gpu in visible)
+    return Hardware(len(machine.gpus), int(total * GIB), GPU_TYPES[kind] if kind else None)

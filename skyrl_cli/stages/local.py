@@ -18,7 +18,7 @@ from skyrl_cli.metrics.follow import FollowedRun
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.rl import init_model_dir
 from skyrl_cli.stages.job import run_job
-from skyrl_cli.stages.output import output_sinks, print_plan
+from skyrl_cli.stages.output import output_sinks, print_estimates, print_plan
 from skyrl_cli.stages.pool import attach_engines, explain_choice, held, pick_pool, start_on_pool
 from skyrl_cli.stages.results import initial_and_final_accuracy, publish_final_int4, publish_final_model
 from skyrl_contracts.atomic import remove_leftovers
@@ -37,6 +37,8 @@ def sft_here(request: StageRequest) -> dict | None:
     plan = request.plan()
     if request.dry_run:
         print_plan(plan, request.json_)
+        if not request.json_:
+            print_estimates(request.recipe, request.machine, request.code_dir)
         return None
     return run_sft(
         request.recipe, plan, request.directory, request.mode, resume=request.resume, overwrite=request.overwrite
@@ -74,6 +76,7 @@ def rl_here(request: StageRequest) -> dict | None:
         print_plan(plan, request.json_)
         if not request.json_:
             explain_choice(pool, not_fitting, plan)
+            print_estimates(request.recipe, request.machine, request.code_dir)
         return None
 
     check_remote_engines(request.recipe.inference.urls)  # before the SFT stage, engines or trainer start

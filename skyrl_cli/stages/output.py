@@ -39,6 +39,19 @@ def print_plan(plan, json_: bool = False) -> None:
     typer.echo(json.dumps(data) if json_ else json.dumps(data, indent=2))
 
 
+def print_estimates(recipe: Recipe, machine, base_dir: Path) -> None:
+    """``--dry-run`` output for people, on stderr (stdout is the plan's JSON): the memory of each
+    process of the recipe as written on this host and, on a GPU type the roofline knows, the step time."""
+    # lazy: skyrl --help imports this module; these stay out of it
+    from skyrl_cli.plan.fit_text import hardware_here, recipe_estimates
+    from skyrl_cli.plan.machine import gpu_memory
+
+    hardware = hardware_here(recipe, machine, gpu_memory() if machine.gpus else [])
+    lines, _ = recipe_estimates(recipe, hardware, machine, base_dir, propose=False)
+    for line in lines:
+        typer.echo(line, err=True)
+
+
 def say(mode: OutputMode, line: str, always: bool = False) -> None:
     """A progress line on stderr; ``--json`` keeps stderr for errors unless ``always``."""
     if mode != "json" or always:
