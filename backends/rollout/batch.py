@@ -15,6 +15,16 @@ from typing import Any, Iterable, Mapping, Sequence
 from skyrl_contracts.samples import Sample
 
 
+def generation_span_s(groups: Iterable[Group]) -> float | None:
+    """Seconds from the first of ``groups`` starting generation to the last one finishing: the
+    batch's generation phase (with async overlap, the span its groups were generated over). None
+    when any group was not timed."""
+    groups = list(groups)
+    if not groups or any(g.started_s <= 0.0 or g.finished_s <= 0.0 for g in groups):
+        return None
+    return max(g.finished_s for g in groups) - min(g.started_s for g in groups)
+
+
 def rewards_all_equal(rewards: Sequence[float]) -> bool:
     """True when a group carries no learning signal for group-relative advantages (DAPO filter).
 
@@ -28,6 +38,9 @@ class Group:
     prompt_uid: str
     samples: list[Sample]
     start_version: int  # policy version when this group's generation was admitted
+    # time.monotonic() when its generation started and ended (0.0: not timed, e.g. a record read back)
+    started_s: float = 0.0
+    finished_s: float = 0.0
 
     @property
     def rewards(self) -> list[float]:

@@ -41,7 +41,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .batch import Group, staleness
+from .batch import Group, generation_span_s, staleness
 
 # ------------------------------------------------------------------------------ prompt order
 
@@ -297,7 +297,9 @@ class TakenBatch:
     wait_s: float  # time the trainer waited for this batch
 
     def metrics(self) -> dict[str, float]:
+        span = generation_span_s(self.groups)
         return {
+            **({"timing/generate_s": span} if span is not None else {}),
             # versions between each group's first token and the step it is handed over for (the
             # learner's async/staleness_* count from each sample's oldest token to the step it trains)
             "rollout/batch_staleness_mean": self.staleness_mean,

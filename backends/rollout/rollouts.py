@@ -59,6 +59,7 @@ class Rollouts:
                 first_turn.skip(index)
 
     async def generate_group(self, ref, start_version: int) -> Group:
+        started = time.monotonic()
         row = self.train_rows[ref.index]
         k = self.rl.samples_per_prompt
         first_turn = SharedFirstTurn(
@@ -97,7 +98,7 @@ class Rollouts:
                     )
                 )
                 self.window_tokens += samples[-1].num_loss_tokens  # sampled: observations are not generation
-        return Group(ref.uid, samples, start_version)
+        return Group(ref.uid, samples, start_version, started_s=started, finished_s=time.monotonic())
 
     def record_error(self, sample: str, version: int, episode, count: bool = True) -> None:
         """Count a sample whose user code failed and append its record to ``sample_errors.jsonl``

@@ -10,6 +10,7 @@ the engines report them.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -162,3 +163,15 @@ def test_bypass_ratio_is_taken_against_the_rollout_logprobs(start):
     metrics = learner_for(copy.deepcopy(model), ratio="rollout").train(shifted)
     assert metrics["train/update1/ratio_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.5))), rel=1e-3)
     assert metrics["train/update1/clip_frac"] > 0.0
+
+
+def test_the_step_reports_its_phases_and_they_add_up_to_its_time(start):
+    model, samples = start
+    learner = learner_for(copy.deepcopy(model), mini_batches=2)
+    began = time.perf_counter()
+    metrics = learner.train(samples)
+    took = time.perf_counter() - began
+    phases = [metrics[f"timing/{name}_s"] for name in ("prepare", "forward_backward", "optimizer")]
+    assert all(p > 0 for p in phases), phases
+    # the laps are consecutive: together they are the step, less only the metrics after the last one
+    assert took * 0.5 < sum(phases) <= took, (phases, took)

@@ -429,3 +429,18 @@ def test_close_drains_at_most_b_groups_per_batch():
     late, sizes, buffer = asyncio.run(main())
     assert not late and sizes == [2, 2, 1]
     assert buffer.controller.running == 0 and buffer.controller.buffered == 0
+
+
+def test_a_batch_reports_the_span_its_groups_were_generated_over():
+    from backends.rollout.batch import generation_span_s
+    from backends.rollout.buffer import TakenBatch
+
+    timed = [_group("a", 0), _group("b", 0)]
+    timed[0].started_s, timed[0].finished_s = 100.0, 103.0
+    timed[1].started_s, timed[1].finished_s = 101.0, 104.5
+    assert generation_span_s(timed) == 4.5
+    assert TakenBatch(0, timed, 0.0, 0, 0, 0.1).metrics()["timing/generate_s"] == 4.5
+    # a group read back from a saved state carries no times: no figure rather than a wrong one
+    read_back = Group.from_dict(json.loads(json.dumps(timed[0].to_dict())))
+    assert generation_span_s([timed[1], read_back]) is None
+    assert "timing/generate_s" not in TakenBatch(0, [read_back], 0.0, 0, 0, 0.1).metrics()

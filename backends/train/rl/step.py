@@ -17,6 +17,7 @@ checkpoints) is ``backends.train.rl_learner``; the loss formulas are ``backends.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,24 @@ from backends.train.rl.off_policy import logprob_diff_metrics, off_policy_correc
 from skyrl_contracts.losses import ADVANTAGE_KINDS, loss_reduction
 
 
+class PhaseClock:
+    """Seconds per phase of the updates, summed over the step (``lap(name)`` charges the time since
+    the last lap to ``name``). On a GPU each lap waits for the queued kernels, so a phase is charged
+    with its own work, not with whatever the next one's first synchronisation waits for."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.totals: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.totals[name] = self.totals.get(name, 0.0) + now - self.last
+        self.last = now
+
+
 class RLStep:
     """One learner step over a batch of samples. ``engine``: DeepSpeed's (``backward``, ``step``,
     ``module``; a plain-torch stand-in in the unit tests); ``reference``: the KL reference model, or
@@ -43,9 +62,12 @@ class RLStep:
         self.updates_per_step = rl.epochs * rl.mini_batches
 
     def train(self, samples) -> dict[str, float]:
+        clock = PhaseClock(self.dist.device)
         rows = sample_rows(samples, batch_advantages(samples, self.rl))  # 1
         updates = self.slices(samples, rows)  # 2
+        clock.lap("timing/prepare_s")
         self.fill_old_logprobs(updates)  # 3
+        clock.lap("timing/forward_backward_s")
         per_update = []
         for epoch in range(self.rl.epochs):  # 4
             for update in updates:
@@ -54,9 +76,12 @@ class RLStep:
                     loss = self.loss(mb.to(self.dist.device), update.normalizer, metrics, first_epoch=epoch == 0)
                     # DeepSpeed averages gradients over ranks; the shares must add up, hence * world.
                     self.engine.backward(loss * self.dist.world_size, scale_wrt_gas=False)
+                clock.lap("timing/forward_backward_s")
                 self.engine.step()
+                clock.lap("timing/optimizer_s")
                 per_update.append(reduce_metrics(metrics, self.dist.device))
         out = combine_updates(per_update)  # 5
+        out.update(clock.totals)
         out["train/num_microbatches"] = sum(u.layout.num_microbatches for u in updates)
         out["train/padding_microbatches"] = sum(u.layout.padding_microbatches() for u in updates)
         out["train/updates"] = float(len(per_update))
