@@ -119,6 +119,29 @@ def _watch_parent(parent_pid: int) -> None:
             return
 
 
+CORE_START_ENV = "SKYRL_ENGINE_CORE_START"
+
+
+def _fork_engine_core() -> None:
+    """Start vLLM's EngineCore by forking this process rather than spawning a fresh interpreter.
+
+    vLLM's CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` while it checks the config, so
+    the EngineCore re-imports vLLM and torch (seconds of CPU) although this process holds them
+    already. The launch plan asks for fork only with the uni executor, where the EngineCore runs
+    the model itself and starts no worker processes, and before any forward pass has started
+    OpenMP's threads in this process."""
+    # lazy: vllm, after the version lookup is patched (main)
+    from vllm.platforms.cpu import CpuPlatform
+
+    checked = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        checked(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     _patch_version_lookup()
@@ -126,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
         threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watchdog").start()
     # lazy: vllm (seconds); imported once the parent watchdog runs
     from vllm.entrypoints.cli.main import main as vllm_main
+
+    if os.environ.get(CORE_START_ENV) == "fork":
+        _fork_engine_core()
 
     sys.argv = ["vllm", "serve", *args]
     vllm_main()

@@ -12,6 +12,7 @@ tests share it (``live.restore()`` reloads the original weights with version "0"
 
 from __future__ import annotations
 
+import json
 import os
 import string
 import time
@@ -222,14 +223,26 @@ SHORTENED_QUICKSTART = [
 ]
 
 
+def finished_run(run_dir: Path) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("completed") is True
+
+
 @pytest.fixture(scope="session")
 def shortened_quickstart_sft(tmp_path_factory) -> Path:
     """The run directory of ``skyrl sft quickstart`` with ``SHORTENED_QUICKSTART``, trained once per
-    session (tests read it, never write it)."""
+    test session, also when pytest-xdist splits it over workers (tests read it, never write it)."""
+    from filelock import FileLock
+
     from tests.integration.cli_runs import run_skyrl
 
-    run_dir = tmp_path_factory.mktemp("quickstart-sft") / "sft"
-    run_skyrl("sft", QUICKSTART_RECIPE, "--run-dir", run_dir, "--quiet", *SHORTENED_QUICKSTART, timeout=600)
+    # xdist workers share the parent of their base temp dirs; without xdist it is this session's own.
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    root = shared or tmp_path_factory.getbasetemp()
+    run_dir = root / "quickstart-sft" / "sft"
+    with FileLock(root / "quickstart-sft.lock"):
+        if not finished_run(run_dir):
+            run_skyrl("sft", QUICKSTART_RECIPE, "--run-dir", run_dir, "--quiet", *SHORTENED_QUICKSTART, timeout=600)
     return run_dir
 
 

@@ -54,6 +54,7 @@ def test_cpu_engines_one_core_each_and_lean_flags():
         assert (
             flag(s.argv, "--distributed-executor-backend") == "uni" and s.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         )
+        assert s.env["SKYRL_ENGINE_CORE_START"] == "fork"  # the EngineCore forked: no second import of vLLM
         assert flag(s.argv, "--logprobs-mode") == "processed_logprobs"
         assert flag(s.argv, "--served-model-name") == SERVED_MODEL_NAME
         assert flag(s.argv, "--dtype") == "bfloat16"
@@ -68,6 +69,7 @@ def test_cpu_engines_one_core_each_and_lean_flags():
     # --async: generation overlaps training, and vLLM's worker process keeps the step faster
     for s in engine_specs(recipe(), CPU, [8101, 8102], "/models/m", async_mode=True):
         assert "--distributed-executor-backend" not in s.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env
+        assert "SKYRL_ENGINE_CORE_START" not in s.env  # vLLM's CPU workers must be spawned
 
 
 def test_more_engines_than_cores_share_round_robin():
@@ -86,6 +88,7 @@ def test_gpu_engines_tensor_parallel_placement():
         assert "--enforce-eager" not in s.argv and "--kv-cache-memory-bytes" not in s.argv
         assert "VLLM_CPU_OMP_THREADS_BIND" not in s.env and "SKYRL_ENGINE_IDLE_SPIN_S" not in s.env
         assert "--distributed-executor-backend" not in s.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env
+        assert "SKYRL_ENGINE_CORE_START" not in s.env
 
 
 def test_gpu_engines_get_the_weight_transfer_engine_only_for_the_nccl_sync():
