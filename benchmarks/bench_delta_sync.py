@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its neighbours import
+from run_watch import Keeper, directory_bytes, per_step, versions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disk", "delta")
@@ -50,34 +50,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class VersionKeeper:
-    """Hard-links each ``weights/v<k>/`` of a running run into ``dest`` as it appears."""
-
-    def __init__(self, weights: Path, dest: Path):
-        self.weights, self.dest = weights, dest
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.watch, daemon=True)
-
-    def watch(self) -> None:
-        while not self.stop.is_set():
-            self.copy_new()
-            time.sleep(0.05)
-        self.copy_new()
-
-    def copy_new(self) -> None:
-        if not self.weights.is_dir():
-            return
-        for path in self.weights.iterdir():
-            if path.name.startswith("v") and path.name[1:].isdigit() and not (self.dest / path.name).exists():
-                try:
-                    shutil.copytree(path, self.dest / path.name, copy_function=os.link)
-                except (OSError, shutil.Error):  # pruned while copying: a later one is kept
-                    shutil.rmtree(self.dest / path.name, ignore_errors=True)
-
-
 def run_rl(args, mode: str, out: Path) -> Path:
     run_dir, kept = out / f"rl-{mode}", out / f"versions-{mode}"
-    kept.mkdir(parents=True, exist_ok=True)
     sets = [
         f"rl.init_from={args.init_from.resolve()}",
         f"rl.steps={args.steps}",
@@ -90,27 +64,12 @@ def run_rl(args, mode: str, out: Path) -> Path:
     argv = [args.skyrl, "rl", str(args.recipe), "--run-dir", str(run_dir), "--overwrite", "--quiet"]
     for item in sets:
         argv += ["--set", item]
-    keeper = VersionKeeper(run_dir / "weights", kept)
-    keeper.thread.start()
-    done = subprocess.run(argv, capture_output=True, text=True)
-    keeper.stop.set()
-    keeper.thread.join()
+    with Keeper(run_dir / "weights", kept, versions):
+        done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-8:])
         raise SystemExit(f"{' '.join(argv)} failed (exit {done.returncode}):\n{tail}")
     return run_dir
-
-
-def per_version(run_dir: Path) -> dict[int, dict[str, float]]:
-    rows: dict[int, dict[str, float]] = {}
-    for line in (run_dir / "events.jsonl").read_text().splitlines():
-        event = json.loads(line)
-        rows.setdefault(int(event["step"]), {})[event["name"]] = event["value"]
-    return rows
-
-
-def directory_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def sparse_encoding(previous: dict, current: dict) -> tuple[int, float]:
@@ -209,7 +168,7 @@ def main(argv=None) -> None:
         started = time.monotonic()
         run_dir = run_rl(args, mode, out)
         walls[mode] = time.monotonic() - started
-        runs[mode], kept[mode] = per_version(run_dir), out / f"versions-{mode}"
+        runs[mode], kept[mode] = per_step(run_dir), out / f"versions-{mode}"
     figures = summary(runs, kept, args.steps)
     figures["encodings"] = encodings(kept["delta"], out / "rl-delta" / "final", out / "scratch")
     figures["wall_s"] = walls

@@ -1,0 +1,163 @@
+"""What the benchmarks that drive a real ``skyrl`` run watch while it goes: files the run deletes
+behind it (``Keeper``), every process's peak memory by its role in the run (``ProcessMemory``), and
+the run's figures per step from ``events.jsonl`` (``per_step``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+class Keeper:
+    """Hard-links each entry of ``source`` that ``wanted`` accepts into ``dest`` as it appears (the
+    run prunes old weight versions and consumed batches; the benchmark reads them afterwards)."""
+
+    def __init__(self, source: Path, dest: Path, wanted: Callable[[Path], bool]):
+        self.source, self.dest, self.wanted = source, dest, wanted
+        self.dest.mkdir(parents=True, exist_ok=True)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+
+    def __enter__(self) -> "Keeper":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def watch(self) -> None:
+        while not self.stop.is_set():
+            self.keep_new()
+            time.sleep(0.05)
+        self.keep_new()
+
+    def keep_new(self) -> None:
+        if not self.source.is_dir():
+            return
+        for path in self.source.iterdir():
+            target = self.dest / path.name
+            if not self.wanted(path) or target.exists():
+                continue
+            try:
+                if path.is_dir():
+                    shutil.copytree(path, target, copy_function=os.link)
+                else:
+                    os.link(path, target)
+            except (OSError, shutil.Error):  # removed while copying: a later one is kept
+                shutil.rmtree(target, ignore_errors=True)
+
+
+def versions(path: Path) -> bool:
+    """``weights/v<k>/`` directories."""
+    return path.name.startswith("v") and path.name[1:].isdigit()
+
+
+# A process's role in a run, from its command line; a process none matches takes its parent's role
+# (vLLM's engine core and the trainer's rank processes are children of the matched ones).
+ROLES = (
+    ("torch.distributed.run", "torchrun"),  # first: its command line names the rank's module too
+    ("backends.inference.serve", "engine (API server)"),
+    ("VLLM::EngineCore", "engine (core)"),
+    ("backends.train.rl_learner", "learner rank"),
+    ("backends.train.sft", "trainer rank"),
+    ("backends.rollout.orchestrator", "orchestrator"),
+    ("vllm-router", "router"),
+    ("backends.models.tied", "setup"),
+)
+
+
+def role_of(cmdline: str) -> str | None:
+    for needle, role in ROLES:
+        if needle in cmdline:
+            return role
+    return None
+
+
+@dataclass
+class ProcessMemory:
+    """Samples the resident memory of ``root_pid`` and all its descendants every ``period_s``;
+    ``peaks()`` gives each process's peak, labelled with its role (the driver is ``skyrl``)."""
+
+    root_pid: int
+    period_s: float = 0.2
+    peak_rss: dict[int, int] = field(default_factory=dict)
+    labels: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+
+    def __enter__(self) -> "ProcessMemory":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def watch(self) -> None:
+        import psutil  # lazy: only the benchmarks that watch a run need it
+
+        try:
+            root = psutil.Process(self.root_pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self.stop.is_set():
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for proc in tree:
+                try:
+                    rss = proc.memory_info().rss
+                    if proc.pid not in self.labels:
+                        self.labels[proc.pid] = self.label(proc)
+                except psutil.Error:
+                    continue
+                self.peak_rss[proc.pid] = max(rss, self.peak_rss.get(proc.pid, 0))
+            time.sleep(self.period_s)
+
+    def label(self, proc) -> str:
+        if proc.pid == self.root_pid:
+            return "skyrl (driver)"
+        role = role_of(" ".join(proc.cmdline()))
+        if role is None:
+            parent = proc.parent()
+            inherited = self.labels.get(parent.pid) if parent else None
+            role = (inherited if inherited.endswith(" child") else f"{inherited} child") if inherited else proc.name()
+        return role
+
+    def peaks(self) -> list[tuple[str, int, int]]:
+        """(role, pid, peak RSS bytes), largest first."""
+        rows = [(self.labels.get(pid, "?"), pid, rss) for pid, rss in self.peak_rss.items()]
+        return sorted(rows, key=lambda row: -row[2])
+
+
+def per_step(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Each step's figures from ``events.jsonl`` (the latest value of each name at that step)."""
+    rows: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        rows.setdefault(int(event["step"]), {})[event["name"]] = event["value"]
+    return rows
+
+
+def event_times(run_dir: Path, name: str) -> dict[int, float]:
+    """step -> wall-clock time of the event ``name`` at that step."""
+    times: dict[int, float] = {}
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event["name"] == name:
+            times[int(event["step"])] = float(event["time"])
+    return times
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
