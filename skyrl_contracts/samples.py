@@ -4,7 +4,9 @@ learner reads back.
 A ``Sample`` is one trajectory: the prompt tokens, then everything after them (the model's turns
 and, in multi-turn episodes, the environment's observations) with a loss mask that is 1 only on
 tokens the model generated. ``rollout_logprobs`` are the engine's logprobs of those tokens (0 on
-observation tokens). ``policy_versions`` lists every weight version that produced some of its
+observation tokens). With on-policy distillation (``rl.distillation``) ``teacher_logprobs`` are the
+teacher's logprobs of the same tokens (0 on observation tokens; None without a teacher).
+``policy_versions`` lists every weight version that produced some of its
 tokens: a trajectory that spans an in-flight weight update carries both versions. Records
 round-trip through plain JSON.
 """
@@ -29,6 +31,7 @@ class Sample:
     finish_reason: str | None = None  # "stop", "length", "error", ...
     error: str | None = None  # reward / environment / generation error record (reward is then 0)
     info: dict[str, Any] = field(default_factory=dict)
+    teacher_logprobs: list[float] | None = None  # per response token: the teacher's (rl.distillation)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -36,6 +39,10 @@ class Sample:
             raise ValueError(
                 f"sample {self.session_id}: response_ids ({n}), loss_mask ({len(self.loss_mask)}) and "
                 f"rollout_logprobs ({len(self.rollout_logprobs)}) must have the same length"
+            )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(
+                f"sample {self.session_id}: teacher_logprobs ({len(self.teacher_logprobs)}) for {n} response tokens"
             )
         self.policy_versions = tuple(sorted(set(self.policy_versions)))
 

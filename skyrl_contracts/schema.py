@@ -312,6 +312,34 @@ class AsyncConfig(Section):
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="Off-policy correction.")
 
 
+class DistillationConfig(Section):
+    """``[rl.distillation]``: on-policy distillation from a teacher model served on engines of its own
+    (never weight-synced). Each sampled trajectory is scored by the teacher (one prompt-logprob pass
+    of the whole sequence) and every token the policy sampled gets ``coef x (teacher logprob -
+    sampling logprob)`` as its advantage (the per-token reverse KL), added to the task reward's
+    advantage, or alone with ``task_reward = false``. The teacher must use the policy's tokenizer."""
+
+    teacher: str = Field(
+        description="The teacher: a local HF model directory (relative to the recipe), or run:<run>/<stage>; "
+        "same tokenizer as the policy."
+    )
+    coef: PositiveFloat = Field(1.0, description="Weight of the per-token reverse-KL advantage.")
+    task_reward: bool = Field(
+        True,
+        description="Also train on the task reward's advantage (rl.advantage); false: pure distillation "
+        "(rewards are still computed and reported, never trained on).",
+    )
+    engines: Annotated[int, Field(ge=1, le=1024)] = Field(
+        1, description="Local vLLM engines serving the teacher (on CPU one core each, after the policy's)."
+    )
+    tensor_parallel: PositiveInt = Field(
+        1, description="GPUs per teacher engine (after the trainer's and the policy engines' GPUs)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description='The teacher engines\' dtype; "auto": as the policy engines (model.dtype).'
+    )
+
+
 class RlConfig(Section):
     """Reinforcement learning stage (``skyrl rl``)."""
 
@@ -380,6 +408,10 @@ class RlConfig(Section):
         None,
         description="Black-box agent `module:function`: an async function given the dataset row and an "
         "OpenAI-compatible endpoint for one trajectory, returning its reward.",
+    )
+    distillation: DistillationConfig | None = Field(
+        None,
+        description="On-policy distillation from a teacher model on engines of its own (docs/distillation.md).",
     )
     keep_batches: bool = Field(
         False,

@@ -47,6 +47,7 @@ from backends.rollout.engine_sync import EngineSync
 from backends.rollout.episodes import episode_runner
 from backends.rollout.evaluation import Evaluation
 from backends.rollout.rollouts import Rollouts
+from backends.rollout.teacher import Teacher
 from backends.rollout.trainer_feed import TrainerFeed
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.episodes import turn_problems
@@ -106,8 +107,10 @@ class Orchestrator:
         events,
         async_mode: bool,
         resume: bool = True,
+        teacher=None,
     ):
-        """``resume``: the learner may restart from a checkpoint, so the first version is the one it
+        """``teacher``: the ``Teacher`` that scores every group (``rl.distillation``), or None.
+        ``resume``: the learner may restart from a checkpoint, so the first version is the one it
         publishes; a fresh run (False) starts on version 0 at once (``first_version``).
         ``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
         router); ``engines``: the plan's ``EngineWeightLoader`` (admin calls to every engine);
@@ -127,6 +130,11 @@ class Orchestrator:
         self.open_client, self.engines, self.exchange, self.events = open_client, engines, exchange, events
         self.paths: RunDir = exchange.paths
         self.resume = resume
+        if (teacher is None) != (self.rl.distillation is None):
+            raise UsageError(
+                "rl.distillation: the orchestrator needs the teacher's engines (--teacher-urls), and only then"
+            )
+        self.teacher = teacher
         self.startup = None  # main's StartupClock (skyrl_contracts.logs): where the start-up went
 
     def restore_buffer(self, first_version: int):
@@ -187,7 +195,9 @@ class Orchestrator:
         self.events.log(first_version, {"progress/total_steps": self.rl.steps})
         buffer = self.restore_buffer(first_version)
         async with self.open_client() as client:
-            rollouts = Rollouts(self.recipe, self.tokenizer, self.train_rows, client, self.paths, self.episodes)
+            rollouts = Rollouts(
+                self.recipe, self.tokenizer, self.train_rows, client, self.paths, self.episodes, self.teacher
+            )
             await self.episodes.start(client, rollouts.stop_ids)
             evaluation = Evaluation(self.recipe, rollouts, self.eval_rows, self.events, self.paths)
             sync = EngineSync(self.engines, self.exchange, self.events)
@@ -213,6 +223,8 @@ class Orchestrator:
                     task.cancel()
                 await asyncio.gather(*workers, watcher, feeder, return_exceptions=True)
                 await self.episodes.stop()
+                if self.teacher is not None:
+                    await self.teacher.aclose()
         self.events.close()
 
 
@@ -235,14 +247,21 @@ def build_orchestrator(
     async_mode: bool,
     weight_sync: str = "disk",
     resume: bool = True,
+    teacher_urls: Sequence[str] = (),
 ) -> Orchestrator:
     """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner;
-    ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``)."""
+    ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``); ``teacher_urls``: the
+    engines of ``rl.distillation``'s teacher."""
     paths = RunDir(run_dir)
     recipe = paths.read_recipe()
+    tokenizer = load_tokenizer(str(init_from))
+    teacher = None
+    if recipe.rl.distillation is not None and teacher_urls:
+        check_same_vocabulary(tokenizer, str(init_from), recipe.rl.distillation.teacher)
+        teacher = Teacher.from_recipe(teacher_urls, recipe)
     orchestrator = Orchestrator(
         recipe,
-        tokenizer=load_tokenizer(str(init_from)),
+        tokenizer=tokenizer,
         rows=load_rows(recipe),
         open_client=lambda: RolloutClient.from_recipe(router_url, recipe),
         engines=engine_weights(recipe, run_dir, engine_urls, weight_sync),
@@ -250,9 +269,18 @@ def build_orchestrator(
         events=EventWriter(paths.events, PROCESS_NAME),
         async_mode=async_mode,
         resume=resume,
+        teacher=teacher,
     )
     report_user_code(recipe.rl.agent or recipe.rl.environment or recipe.rl.reward)  # imported above
     return orchestrator
+
+
+def check_same_vocabulary(tokenizer, student: str, teacher: str) -> None:
+    """The teacher scores the policy's token ids: both tokenizers must map every id to the same
+    token (``skyrl recipes validate`` compares the files where the policy's exist before the run;
+    here the loaded tokenizers are compared, a char tokenizer an SFT stage built included)."""
+    if load_tokenizer(teacher).get_vocab() != tokenizer.get_vocab():
+        raise UsageError(f"rl.distillation.teacher: {teacher} does not use the policy's tokenizer ({student})")
 
 
 def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
@@ -269,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router-url", required=True)
     parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
     parser.add_argument("--async", dest="async_mode", action="store_true")
+    parser.add_argument("--teacher-urls", default="", help="comma-separated: the teacher's engines (rl.distillation)")
     parser.add_argument(
         "--fresh", action="store_true", help="the run starts at version 0 (not --resume): no wait for the learner's v0"
     )
@@ -288,7 +317,14 @@ def main(argv: list[str] | None = None) -> None:
     startup.lap("imports")
     urls = [u for u in args.engine_urls.split(",") if u]
     orchestrator = build_orchestrator(
-        args.run_dir.resolve(), args.init_from, args.router_url, urls, args.async_mode, args.weight_sync, not args.fresh
+        args.run_dir.resolve(),
+        args.init_from,
+        args.router_url,
+        urls,
+        args.async_mode,
+        args.weight_sync,
+        not args.fresh,
+        teacher_urls=[u for u in args.teacher_urls.split(",") if u],
     )
     startup.lap("recipe, data and tokenizer")
     orchestrator.startup = startup

@@ -34,7 +34,11 @@ class Rollouts:
         client,
         paths: RunDir,
         episodes,
+        teacher=None,
     ):
+        """``teacher``: ``backends.rollout.teacher.Teacher`` (``rl.distillation``), which scores every
+        group's samples before the group goes to the buffer; None without distillation."""
+        self.teacher = teacher
         self.rl, self.train_rows, self.client, self.paths, self.episodes = (
             recipe.rl,
             train_rows,
@@ -98,6 +102,8 @@ class Rollouts:
                     )
                 )
                 self.window_tokens += samples[-1].num_loss_tokens  # sampled: observations are not generation
+        if self.teacher is not None:  # before the buffer: with --async this overlaps the learner's step
+            await self.teacher.score(samples)
         return Group(ref.uid, samples, start_version, started_s=started, finished_s=time.monotonic())
 
     def record_error(self, sample: str, version: int, episode, count: bool = True) -> None:
@@ -143,6 +149,8 @@ class Rollouts:
             "rollout/errors": self.errors,
             "rollout/retries": self.client.retries,  # retried requests (RolloutClient counts them)
         }
+        if self.teacher is not None:
+            figures["timing/teacher_s"] = self.teacher.take_seconds()  # summed over groups scored at once
         if self.episodes.tool_use is not None:
             figures["rollout/tool_calls"] = self.tool_calls  # the run's totals, as rollout/errors
             figures["rollout/tool_errors"] = self.tool_errors

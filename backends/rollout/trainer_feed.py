@@ -48,6 +48,7 @@ class TrainerFeed:
                 metrics["rollout/tool_calls_mean"] = sum(s.info["tool_calls"] for s in samples) / len(samples)
                 metrics["rollout/tool_errors_mean"] = sum(s.info["tool_errors"] for s in samples) / len(samples)
             metrics |= environment_metrics(samples)
+            metrics |= distillation_metrics(samples)
             if self.rl.dynamic_sampling.enabled:
                 seen = taken.dropped_since_last + len(taken.groups)
                 metrics["rollout/dropped_frac"] = taken.dropped_since_last / max(1, seen)
@@ -80,3 +81,17 @@ def environment_metrics(samples) -> dict[str, float]:
             if key.startswith("env/"):
                 sums.setdefault(key, []).append(value)
     return {f"rollout/{key}": sum(values) / len(values) for key, values in sums.items()}
+
+
+def distillation_metrics(samples) -> dict[str, float]:
+    """``distill/reverse_kl``: the mean over the batch's sampled tokens of sampling logprob minus
+    the teacher's (the per-token estimate of KL(policy || teacher) whose negative, times
+    ``rl.distillation.coef``, is the distillation advantage); none without a teacher."""
+    total = count = 0.0
+    for s in samples:
+        if s.teacher_logprobs is None:
+            continue
+        for mine, theirs, trained in zip(s.rollout_logprobs, s.teacher_logprobs, s.loss_mask):
+            if trained:
+                total, count = total + mine - theirs, count + 1
+    return {"distill/reverse_kl": total / count} if count else {}

@@ -51,8 +51,13 @@ def check_layout(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[
     device = trainer_device(recipe, machine)
     engines = recipe.inference.engines if recipe.rl is not None else 0
     where = f"{len(machine.gpus)} GPU(s)" if device == "cuda" else f"{machine.cores} CPU core(s)"
+    distill = recipe.rl.distillation if recipe.rl is not None else None
+    teacher = f" + {distill.engines} teacher engine(s)" if distill is not None else ""
     return [
-        passed("layout", f"{recipe.trainer.ranks} trainer rank(s) on {device}, {engines} local engine(s): fits {where}")
+        passed(
+            "layout",
+            f"{recipe.trainer.ranks} trainer rank(s) on {device}, {engines} local engine(s){teacher}: fits {where}",
+        )
     ]
 
 

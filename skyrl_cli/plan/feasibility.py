@@ -53,6 +53,7 @@ def feasibility_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path |
     problems += (
         _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe) + lora_problems(recipe, base_dir)
     )
+    problems += teacher_problems(recipe, machine, base_dir)
     return problems + quantization_problems(recipe, base_dir) + weight_sync_problems(recipe, machine)
 
 
@@ -98,7 +99,8 @@ def _device_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
         if gpu not in machine.gpus
     ]
     engine_gpus = engines * inference.tensor_parallel
-    needed = trainer.ranks + engine_gpus
+    teacher_gpus = _teacher_gpus(recipe)
+    needed = trainer.ranks + engine_gpus + teacher_gpus
 
     layout = cluster_layout(recipe)
     if layout is not None and engines and not layout.overlap:
@@ -118,10 +120,41 @@ def _device_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
         problems.append(
             Problem(
                 ("trainer", "ranks"),
-                f"the layout needs {needed} GPUs ({trainer.ranks} trainer ranks + {engine_gpus} for {engines} engines) "
-                f"but {gpu_count} {'is' if gpu_count == 1 else 'are'} visible",
+                f"the layout needs {needed} GPUs ({trainer.ranks} trainer ranks + {engine_gpus} for {engines} engines"
+                + (f" + {teacher_gpus} for the teacher's engines" if teacher_gpus else "")
+                + f") but {gpu_count} {'is' if gpu_count == 1 else 'are'} visible",
             )
         )
+    return problems
+
+
+def _teacher_gpus(recipe: Recipe) -> int:
+    distill = recipe.rl.distillation if recipe.rl is not None else None
+    return distill.engines * distill.tensor_parallel if distill is not None else 0
+
+
+def teacher_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[Problem]:
+    """What the engines of ``rl.distillation``'s teacher would refuse: GPUs on a CPU run, fewer
+    positions than a trajectory holds (``inference.max_model_len``), a head size vLLM cannot serve."""
+    distill = recipe.rl.distillation if recipe.rl is not None else None
+    if distill is None:
+        return []
+    problems = []
+    if trainer_device(recipe, machine) == "cpu" and distill.tensor_parallel > 1:
+        why = f"{distill.tensor_parallel} GPUs per teacher engine, but the engines run on CPU"
+        problems.append(Problem(("rl", "distillation", "tensor_parallel"), why))
+    shape = shape_at(distill.teacher, recipe, base_dir)
+    config = config_json(resolve_path(distill.teacher, base_dir)) or {}
+    positions, length = config.get("max_position_embeddings"), recipe.inference.max_model_len
+    if isinstance(positions, int) and length is not None and positions < length:
+        why = (
+            f"the teacher has {positions} positions, fewer than a trajectory may hold (inference.max_model_len = "
+            f"{length}); lower inference.max_model_len to {positions}"
+        )
+        problems.append(Problem(("rl", "distillation", "teacher"), why))
+    if shape is not None and shape.head_dim not in VLLM_HEAD_SIZES:
+        why = f"the teacher's head size {shape.head_dim} cannot be served by vLLM (supported: {', '.join(map(str, VLLM_HEAD_SIZES))})"
+        problems.append(Problem(("rl", "distillation", "teacher"), why))
     return problems
 
 

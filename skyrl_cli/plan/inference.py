@@ -54,7 +54,7 @@ from typing import Literal, Sequence
 from skyrl_cli.plan.machine import cpu_has_native_bf16
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.recipe.lengths import with_model_lengths
-from skyrl_contracts.engine_api import SERVED_MODEL_NAME
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME, TEACHER_MODEL_NAME
 from skyrl_contracts.schema import Recipe, RouterConfig, SpeculativeConfig
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS, WORKER_EXTENSION
 
@@ -270,6 +270,86 @@ def engine_specs(
                 name=engine_name(index),
                 role="engine",
                 argv=engine_argv(recipe, machine, port, model_dir, index, async_mode, weight_sync, seed_offset),
+                env=env,
+                devices=devices,
+                ports=(port,),
+                ready=ReadinessCheck(url=f"{engine_url(machine, port)}/health", timeout_s=ENGINE_READY_TIMEOUT_S),
+            )
+        )
+    return specs
+
+
+def teacher_engine_name(index: int) -> str:
+    return f"teacher-{index}"
+
+
+def teacher_dtype(recipe: Recipe, machine: Machine) -> str:
+    """``rl.distillation.dtype``; "auto": the policy engines' dtype (``engine_dtype``)."""
+    stated = recipe.rl.distillation.dtype
+    return engine_dtype(recipe, machine) if stated == "auto" else stated
+
+
+def teacher_engine_specs(
+    recipe: Recipe, machine: Machine, ports: Sequence[int], teacher_dir: str, async_mode: bool = False
+) -> list[ProcessSpec]:
+    """The engines of ``rl.distillation``'s teacher: vLLM serving ``teacher_dir`` under the name
+    ``teacher``, never weight-synced (no LoRA, no transport flags, no speculative decoding).
+    ``--logprobs-mode raw_logprobs``: a scored token's logprob is the teacher's own distribution
+    (``backends.rollout.teacher`` forces the last token of a sequence through the sampler, whose
+    processed logprob would be 0 after the forcing). The same ``--max-model-len`` as the policy's:
+    a scoring request holds a whole trajectory minus its last token. Placed after the policy
+    engines: on CPU the next cores (round robin), on GPUs the GPUs after theirs."""
+    recipe = with_model_lengths(recipe)
+    inf, distill = recipe.inference, recipe.rl.distillation
+    specs = []
+    for index, port in enumerate(ports):
+        argv = [
+            machine.python,
+            "-m",
+            "backends.inference.serve",
+            str(teacher_dir),
+            "--host",
+            machine.host,
+            "--port",
+            str(port),
+            "--served-model-name",
+            TEACHER_MODEL_NAME,
+            "--dtype",
+            teacher_dtype(recipe, machine),
+            "--max-model-len",
+            str(inf.max_model_len),
+            "--max-num-seqs",
+            str(inf.max_num_seqs),
+            "--seed",
+            str(recipe.seed + index),
+            "--logprobs-mode",
+            "raw_logprobs",
+            "--generation-config",
+            "vllm",
+            "--disable-uvicorn-access-log",
+        ]
+        env = {"HF_HUB_OFFLINE": "1", "SKYRL_DIE_WITH_PARENT": "1", "VLLM_NO_USAGE_STATS": "1"}
+        if machine.device == "cpu":
+            argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
+            core = machine.engine_cores[(inf.engines + index) % len(machine.engine_cores)]
+            env.update(
+                {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"}
+            )
+            if model_in_engine_core(machine, async_mode):
+                argv += ["--distributed-executor-backend", "uni"]
+                env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SKYRL_ENGINE_CORE_START": "fork"})
+            devices: tuple[str, ...] = (f"cpu:{core}",)
+        else:
+            tp, first = distill.tensor_parallel, inf.engines * inf.tensor_parallel
+            gpus = machine.engine_gpus[first + index * tp : first + (index + 1) * tp]
+            argv += ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            devices = tuple(f"cuda:{g}" for g in gpus)
+        specs.append(
+            ProcessSpec(
+                name=teacher_engine_name(index),
+                role="teacher",
+                argv=tuple(argv),
                 env=env,
                 devices=devices,
                 ports=(port,),

@@ -27,7 +27,8 @@ class ReadinessCheck(Frozen):
 
 class ProcessSpec(Frozen):
     name: str = Field(description="Unique name; the log is logs/<name>.log.")
-    role: Literal["engine", "router", "trainer", "orchestrator", "server", "quantizer", "setup"]
+    # "teacher": an engine of rl.distillation's teacher (never weight-synced, no router in front)
+    role: Literal["engine", "teacher", "router", "trainer", "orchestrator", "server", "quantizer", "setup"]
     argv: tuple[str, ...]
     env: dict[str, str] = Field(default_factory=dict, description="Added to the driver's environment.")
     devices: tuple[str, ...] = Field((), description="Devices this process owns (cpu:N cores or cuda:N).")
@@ -47,6 +48,7 @@ class StartOrder(Frozen):
 
     setup: tuple[ProcessSpec, ...]  # run to their end first, one after another
     engines: tuple[ProcessSpec, ...]  # started together, waited ready
+    teachers: tuple[ProcessSpec, ...] = ()  # a teacher's engines: started and waited ready with the engines
     beside_engines: tuple[ProcessSpec, ...]  # jobs started with the engines (their failure ends the wait)
     router: tuple[ProcessSpec, ...]  # once the engines are ready and labelled
     after_router: tuple[ProcessSpec, ...]  # everything else: the remaining jobs, other services (a server)
@@ -63,6 +65,8 @@ class LaunchPlan(Frozen):
     world_size: int = 1
     engine_urls: tuple[str, ...] = ()
     router_url: str | None = None
+    # RL with rl.distillation: the teacher's engines (the orchestrator scores every trajectory there).
+    teacher_urls: tuple[str, ...] = ()
     processes: tuple[ProcessSpec, ...] = ()
     # RL: how policy versions reach the engines (skyrl_cli.plan.weight_sync); None for other stages.
     weight_sync: TransportName | None = None
@@ -79,11 +83,14 @@ class LaunchPlan(Frozen):
         them; the router; then everything else. The launchers follow this and decide nothing."""
         setup = tuple(p for p in self.processes if p.kind == "setup")
         engines = tuple(p for p in self.processes if p.role == "engine")
+        teachers = tuple(p for p in self.processes if p.role == "teacher")
         beside = tuple(p for p in self.processes if p.kind == "job" and p.start_with_engines)
         router = tuple(p for p in self.processes if p.role == "router")
-        placed = {p.name for p in (*setup, *engines, *beside, *router)}
+        placed = {p.name for p in (*setup, *engines, *teachers, *beside, *router)}
         rest = tuple(p for p in self.processes if p.name not in placed)
-        return StartOrder(setup=setup, engines=engines, beside_engines=beside, router=router, after_router=rest)
+        return StartOrder(
+            setup=setup, engines=engines, teachers=teachers, beside_engines=beside, router=router, after_router=rest
+        )
 
 
 class PoolAttachment(Frozen):

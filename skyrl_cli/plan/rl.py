@@ -19,7 +19,15 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Sequence
 
-from skyrl_cli.plan.inference import Machine, all_engine_urls, engine_dtype, engine_specs, engine_url, router_spec
+from skyrl_cli.plan.inference import (
+    Machine,
+    all_engine_urls,
+    engine_dtype,
+    engine_specs,
+    engine_url,
+    router_spec,
+    teacher_engine_specs,
+)
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
 from skyrl_cli.plan.quantize import ptq_spec
@@ -73,8 +81,9 @@ def orchestrator_spec(
     recipe_dir: Path | None = None,
     weight_sync: str = DEFAULT_TRANSPORT,
     resume: bool = False,
+    teacher_urls: Sequence[str] = (),
 ) -> ProcessSpec:
-    """``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
+    """``teacher_urls``: the engines of ``rl.distillation``'s teacher. ``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
     ``rl.environment`` modules are found next to the recipe, like its files (then the directory
     skyrl runs in, which ``python -m`` puts on the path, then the installed packages)."""
     argv = [
@@ -92,6 +101,8 @@ def orchestrator_spec(
         "--weight-sync",
         weight_sync,
     ]
+    if teacher_urls:
+        argv += ["--teacher-urls", ",".join(teacher_urls)]
     if async_mode:
         argv.append("--async")
     if not resume:  # starts on v0 at once (backends.rollout.orchestrator.Orchestrator.first_version)
@@ -182,8 +193,11 @@ def plan_rl(
     device = trainer_device(recipe, machine)
     inf_machine = inference_machine(recipe, machine, device)
     weight_sync = rl_weight_sync(recipe, machine)
-    ports = machine.free_ports(inf.engines + 4)
-    engine_ports, (router_port, prometheus_port, rdzv_port, nccl_port) = ports[: inf.engines], ports[inf.engines :]
+    distill = recipe.rl.distillation
+    teachers = distill.engines if distill is not None else 0
+    ports = machine.free_ports(inf.engines + 4 + teachers)
+    engine_ports, teacher_ports = ports[: inf.engines], ports[inf.engines + 4 :]
+    router_port, prometheus_port, rdzv_port, nccl_port = ports[inf.engines : inf.engines + 4]
     router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
     setup, served = engine_model_setup(weight_sync, run_dir, init_from, machine)
     if pool is None:
@@ -194,11 +208,13 @@ def plan_rl(
     else:
         urls = [*pool.engine_urls, *(u.rstrip("/") for u in inf.urls)]
         inference, router_url = (), pool.router_url
+    teacher = teacher_engine_specs(recipe, inf_machine, teacher_ports, distill.teacher, async_mode) if teachers else []
+    teacher_urls = tuple(engine_url(inf_machine, port) for port in teacher_ports)
     trainer = rl_trainer_spec(
         recipe, run_dir, machine, resume, nccl_host or machine.host, urls, port=rdzv_port, nccl_port=nccl_port
     )
     orchestrator = orchestrator_spec(
-        run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync, resume
+        run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync, resume, teacher_urls
     )
     return LaunchPlan(
         stage="rl",
@@ -209,7 +225,8 @@ def plan_rl(
         world_size=world_size(recipe),
         engine_urls=tuple(urls),
         router_url=router_url,
-        processes=(*setup, *inference, orchestrator, trainer),
+        teacher_urls=teacher_urls,
+        processes=(*setup, *inference, *teacher, orchestrator, trainer),
         weight_sync=weight_sync,
         pool=pool.name if pool is not None else None,
     )

@@ -29,6 +29,7 @@ from skyrl_cli.recipe.validate import (
     Problem,
     agent_problems,
     data_problems,
+    distillation_problems,
     environment_problems,
     loss_problems,
     missing_files,
@@ -154,6 +155,7 @@ def load_recipe(
     problems += data_problems(recipe)
     problems += agent_problems(recipe)
     problems += environment_problems(recipe)
+    problems += distillation_problems(recipe, base_dir)
     problems += length_problems(recipe, base_dir)
     recipe = with_model_lengths(recipe, base_dir)
     for check in checks:

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from skyrl_cli.recipe.registry import builtin_recipes
+from skyrl_cli.recipe.tokenizers import vocabulary_difference
 from skyrl_contracts.episodes import TASKS_WITH_TOOLS, turn_problems
 from skyrl_contracts.losses import RATIO_BOUNDS, inert_loss_keys
-from skyrl_contracts.rundir import RUNS_ROOT
+from skyrl_contracts.rundir import RUNS_ROOT, sft_output_dir
 from skyrl_contracts.schema import Recipe, environment_library
 
 
@@ -63,6 +64,7 @@ PATH_KEYS: dict[tuple[str, ...], frozenset[str]] = {
     ("rl", "init_from"): frozenset({"sft"}),
     ("quantization", "init_from"): frozenset({"sft"}),
     ("inference", "speculative", "model"): frozenset(),
+    ("rl", "distillation", "teacher"): frozenset(),
 }
 
 
@@ -290,6 +292,49 @@ def loss_problems(recipe: Recipe) -> list[Problem]:
                     'with rl.loss.ratio = "rollout" the ratio to the sampler carries the behaviour correction; no separate IS weight applies',
                 )
             )
+    return problems
+
+
+# ---------------------------------------------------------------------------------- distillation
+
+
+def student_tokenizer_dir(recipe: Recipe, base_dir: Path) -> Path | None:
+    """The directory whose tokenizer the RL stage's policy uses: ``rl.init_from``, else the SFT
+    stage's (its output once written, ``model.tokenizer`` when it is a path, else ``model.path``);
+    None where it is not on disk yet (a char tokenizer is built by the SFT stage)."""
+    rl, model = recipe.rl, recipe.model
+    if rl.init_from != "sft":
+        return resolve_path(rl.init_from, base_dir)
+    written = sft_output_dir(recipe)
+    if (written / "config.json").is_file():
+        return written
+    if model.tokenizer not in ("auto", "char"):
+        return resolve_path(model.tokenizer, base_dir)
+    return resolve_path(model.path, base_dir) if model.path is not None else None
+
+
+def distillation_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
+    """``rl.distillation`` in a combination where it, or a key beside it, cannot act; a teacher
+    whose vocabulary is not the policy's."""
+    rl = recipe.rl
+    if rl is None or rl.distillation is None:
+        return []
+    distill, problems = rl.distillation, []
+    if recipe.cluster is not None:
+        why = "a teacher is served on one machine: distillation does not run across nodes ([cluster]) yet"
+        problems.append(Problem(("rl", "distillation"), why))
+    if not distill.task_reward:
+        if rl.dynamic_sampling.enabled:
+            why = "drops groups by their task reward, which pure distillation (rl.distillation.task_reward = false) does not train on"
+            problems.append(Problem(("rl", "dynamic_sampling", "enabled"), why))
+        if "advantage" in rl.model_fields_set:
+            why = "the task reward's advantage; with rl.distillation.task_reward = false it does not act: remove it"
+            problems.append(Problem(("rl", "advantage"), why))
+    student = student_tokenizer_dir(recipe, base_dir)
+    if student is not None:
+        why = vocabulary_difference(student, resolve_path(distill.teacher, base_dir))
+        if why:
+            problems.append(Problem(("rl", "distillation", "teacher"), f"not the policy's tokenizer: {why}"))
     return problems
 
 

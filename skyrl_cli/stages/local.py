@@ -213,6 +213,7 @@ def start_own_engines(supervisor, plan, directory: Path, *, writer, step_fn, pro
         step_fn=step_fn,
         early_jobs=order.beside_engines,
         before_router=before_router,
+        teachers=order.teachers,
     )
     return stack, plan
 
@@ -245,5 +246,8 @@ def run_jobs(supervisor, plan, stack, run, progress, watch=None, pool=None) -> N
     for spec in order.after_router:
         start_on_pool(supervisor, spec, pool)
     # Engines and the router that die come back (stack.recovery); without it the router may not die.
-    fatal = [] if stack.recovery is not None else [p.name for p in plan.processes if p.role == "router"]
+    # A teacher's engines are not recovered: one that dies ends the run.
+    fatal = [p.name for p in plan.processes if p.role == "teacher"]
+    if stack.recovery is None:
+        fatal += [p.name for p in plan.processes if p.role == "router"]
     supervisor.wait_jobs(jobs, on_tick=tick, fatal_services=fatal)

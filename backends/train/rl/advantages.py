@@ -108,6 +108,17 @@ def _reinforce_pp(
     return reinforce_pp_advantages(rewards, mask)
 
 
+def reverse_kl_advantages(
+    teacher_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """On-policy distillation (``rl.distillation``), per token [N, T]: ``coef x (log p_teacher(y_t) -
+    log p_policy(y_t))`` of each sampled token ``y_t``, the negative of the one-sample estimate of
+    the reverse KL(policy || teacher) at that token; 0 outside ``mask`` (observations, tool results,
+    padding). Added to the task reward's advantage, or alone (``task_reward = false``)."""
+    gap = teacher_logprobs.to(torch.float32) - sampling_logprobs.to(torch.float32)
+    return coef * gap * mask.to(torch.float32)
+
+
 # rl.advantage.kind -> (rewards [N], dense group index [N], response mask [N, T], config) -> [N, T].
 # What the driver and the step must know of a kind too is skyrl_contracts.losses.ADVANTAGE_KINDS.
 ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AdvantageConfig], torch.Tensor]] = {

@@ -25,7 +25,7 @@ import torch.distributed as tdist
 
 from backends.train.microbatch import IGNORE, laid_out, right_padded, row_positions, token_logprobs
 from backends.train.packing import dynamic_layout
-from backends.train.rl.advantages import compute_advantages
+from backends.train.rl.advantages import compute_advantages, reverse_kl_advantages
 from backends.train.rl.losses import LossNormalizer, kl_loss, merge_metrics, policy_loss
 from backends.train.rl.minibatch import group_slices
 from backends.train.rl.off_policy import logprob_diff_metrics, off_policy_correction
@@ -252,10 +252,36 @@ def padding_tensors(pad_id: int) -> Tensors:
 
 
 def batch_advantages(samples, rl) -> torch.Tensor:
+    """Per response token [N, R]: the task reward's advantage (``rl.advantage``) plus, with
+    ``rl.distillation``, the teacher's per-token term (``distillation_advantages``); with
+    ``rl.distillation.task_reward = false`` the teacher's term alone."""
     width = max(1, max(len(s.response_ids) for s in samples))
     mask = torch.zeros((len(samples), width))
     for i, s in enumerate(samples):
         mask[i, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    distill = rl.distillation
+    if distill is None:
+        return task_advantages(samples, rl, mask)
+    term = distillation_advantages(samples, mask, distill.coef)
+    return task_advantages(samples, rl, mask) + term if distill.task_reward else term
+
+
+def distillation_advantages(samples, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """The samples' teacher and sampling logprobs as [N, R] rows, into ``reverse_kl_advantages``."""
+    teacher, sampling = torch.zeros_like(mask), torch.zeros_like(mask)
+    for i, s in enumerate(samples):
+        if s.teacher_logprobs is None:
+            if s.num_loss_tokens:
+                raise ValueError(f"sample {s.session_id} has no teacher logprobs (rl.distillation)")
+            continue
+        n = len(s.response_ids)
+        teacher[i, :n] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+        sampling[i, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return reverse_kl_advantages(teacher, sampling, mask, coef)
+
+
+def task_advantages(samples, rl, mask: torch.Tensor) -> torch.Tensor:
+    """The task reward's advantages (``rl.advantage``) per response token [N, R]."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     trajectories = trajectory_rows(samples)
     if len(set(trajectories)) == len(samples) or not ADVANTAGE_KINDS[rl.advantage.kind].group_baseline:
