@@ -532,6 +532,12 @@ class TrainerConfig(Section):
     node_rank: NonNegativeInt = Field(0, description="This node's rank.")
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous (multi-node).")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward instead of keeping them for the "
+        "whole micro-batch (transformers' gradient checkpointing): a micro-batch's activations shrink from every "
+        "layer's to each layer's input plus one layer's, for one more forward of the model in each backward.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description='"auto": cuda if available, else cpu.')
     gpus: tuple[NonNegativeInt, ...] | None = Field(None, description="GPU ids for the trainer on this node.")
     threads_per_rank: PositiveInt | None = Field(None, description="CPU threads per rank (default: cores / ranks).")

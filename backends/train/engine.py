@@ -124,12 +124,16 @@ def make_engine(
     zero_stage: int,
     grad_clip: float,
     bf16: bool,
+    gradient_checkpointing: bool = False,
     betas: tuple[float, float] = (0.9, 0.999),
 ):
-    """``deepspeed.initialize`` with a torch AdamW over the trainable parameters and a LambdaLR."""
+    """``deepspeed.initialize`` with a torch AdamW over the trainable parameters and a LambdaLR
+    (``gradient_checkpointing``: ``trainer.gradient_checkpointing``, see ``checkpoint_activations``)."""
     # lazy: deepspeed (logs on import); the learner's "imports" lap imports it, not this module
     import deepspeed
 
+    if gradient_checkpointing:
+        checkpoint_activations(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     engine, _, _, scheduler = deepspeed.initialize(
@@ -139,6 +143,17 @@ def make_engine(
         config=deepspeed_config(zero_stage, grad_clip, bf16),
     )
     return engine, scheduler
+
+
+def checkpoint_activations(model) -> None:
+    """transformers' gradient checkpointing on every decoder layer of ``model`` (a LoRA-wrapped one
+    too). Non-reentrant: the recomputation needs no input that requires grad, so a LoRA model with
+    frozen embeddings is checkpointed without ``enable_input_require_grads``, and it composes with
+    DeepSpeed's ZeRO hooks; the KV cache is off, as checkpointing requires."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False
 
 
 def all_reduce_sum(values: Sequence[float], device) -> list[float]:

@@ -150,6 +150,7 @@ class Learner:
             zero_stage=trainer.zero_stage,
             grad_clip=rl.grad_clip,
             bf16=self.dtype == torch.bfloat16,
+            gradient_checkpointing=trainer.gradient_checkpointing,
         )
         # LoRA checkpoints (hence final/) hold the adapter, and the merged model only on request
         merge = self.lora is None or self.lora.merge_final

@@ -139,6 +139,7 @@ class SFTTrainer:
             zero_stage=self.trainer.zero_stage,
             grad_clip=sft.grad_clip,
             bf16=torch_dtype(recipe.model, self.dist.device.type) == torch.bfloat16,
+            gradient_checkpointing=self.trainer.gradient_checkpointing,
         )
         self.export = HFExporter(self.engine, self.tokenizer, self.dist, self.trainer.zero_stage)
 

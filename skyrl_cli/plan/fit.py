@@ -172,6 +172,7 @@ def trainer_setup(recipe: Recipe, stage: str, hardware: Hardware) -> TrainerSetu
         lora_targets=tuple(lora.target_modules) if lora is not None else (),
         int4_qat=quant is not None and quant.int4_qat,
         reference_copy=reference,
+        gradient_checkpointing=recipe.trainer.gradient_checkpointing,
     )
 
 

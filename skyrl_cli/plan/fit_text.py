@@ -57,8 +57,11 @@ def trainer_lines(est: Estimate, hardware: Hardware) -> list[str]:
             f"micro-batch {setup.micro_batch_tokens} tokens): {_gib(memory.peak)} GiB{_verdict(memory.peak, hardware)}"
         )
         parts = " + ".join(f"{name} {_gib(value)}" for name, value in memory.parts())
-        checkpointed = f"activations with gradient checkpointing (the trainer does not checkpoint): {_gib(memory.activations_checkpointed)}"
-        lines += [head, f"  {parts}", f"  {checkpointed}"]
+        lines += [head, f"  {parts}"]
+        if not setup.gradient_checkpointing:
+            lines.append(
+                f"  activations with trainer.gradient_checkpointing = true: {_gib(memory.activations_checkpointed)}"
+            )
     return lines
 
 

@@ -76,7 +76,7 @@ class TrainerSetup:
     lora_targets: tuple[str, ...] = ()
     int4_qat: bool = False  # fake-quantized weight copies saved for backward
     reference_copy: bool = False  # a frozen copy of the model for the KL term (RL, without LoRA)
-    gradient_checkpointing: bool = False  # the trainer does not checkpoint; for comparison
+    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
     offload: Offload = "none"  # the trainer does not offload; for comparison with DeepSpeed's estimators
 
 
