@@ -30,6 +30,7 @@ Then the limits, each on the run's own inputs after the run ended (nothing else 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -262,6 +263,53 @@ def disk_limit(version_dir: Path, scratch: Path) -> dict[str, float]:
     return {"bytes": size, "write_s": written, "read_s": read}
 
 
+def largest_micro_batch(batches: dict[int, list[dict]], mini_batches: int, budget: int) -> int:
+    """The largest micro-batch the learner laid out, padding included: each step's slices of whole
+    groups, padded to their longest row, within the token budget."""
+    from backends.train.rl.minibatch import group_slices
+
+    largest = 0
+    for samples in batches.values():
+        lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+        for members in group_slices([s["prompt_uid"] for s in samples], mini_batches):
+            longest = max(lengths[i] for i in members)
+            largest = max(largest, min(len(members), max(1, budget // longest)) * longest)
+    return largest
+
+
+def learner_estimate(run_dir: Path, batches: dict[int, list[dict]]) -> dict:
+    """What ``skyrl recipes validate`` estimates for one learner rank of this run (on CPU: no CUDA
+    reserve), at the largest micro-batch the run laid out, part by part."""
+    from skyrl_cli.plan.fit import Hardware, trainer_setup
+    from skyrl_cli.plan.memory import trainer_rank_memory
+    from skyrl_cli.plan.shape import ModelShape
+    from skyrl_contracts.schema import Recipe
+
+    recipe = Recipe.model_validate_json((run_dir / "recipe.resolved.json").read_text())
+    config = json.loads((Path(recipe.rl.init_from) / "config.json").read_text())
+    setup = trainer_setup(recipe, "rl", Hardware(gpus=1, gpu_bytes=None, gpu=None, device="cpu"))
+    tokens = largest_micro_batch(batches, recipe.rl.mini_batches, recipe.rl.max_tokens_per_microbatch)
+    memory = dataclasses.replace(
+        trainer_rank_memory(ModelShape.from_config(config), dataclasses.replace(setup, micro_batch_tokens=tokens)),
+        reserve=0,
+    )
+    return {"micro_batch_tokens": tokens, "peak": memory.peak, "parts": dict(memory.parts())}
+
+
+FRAMEWORK = (
+    "import deepspeed, transformers, backends.train.rl_learner, psutil; print(psutil.Process().memory_info().rss)"
+)
+
+
+def framework_rss(env: dict[str, str]) -> int:
+    """A learner rank's resident size before it loads a model: the interpreter, torch, DeepSpeed and
+    transformers (the estimate counts tensors only)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FRAMEWORK], env={**os.environ, **env}, capture_output=True, text=True, cwd=REPO
+    )
+    return int(done.stdout.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------------------ report
 
 
@@ -308,6 +356,8 @@ def limits(run_dir: Path, out: Path, phases: dict[int, dict], batches: dict[int,
         "engine_load_s": {"ours": med(phases[k].get("engine load (sync)") for k in timed), "disk read": disk["read_s"]},
         "version_bytes": disk["bytes"],
         "learner_dtype": learner_dtype,
+        "learner_estimate": learner_estimate(run_dir, batches),
+        "framework_rss": framework_rss(trainer["env"]),
     }
 
 
@@ -339,6 +389,15 @@ def report(phases: dict[int, dict], memory: ProcessMemory, limit: dict, wall_s: 
             f"  {key:24s} ours {ours:10.{digits}f} {unit:8s} {name:13s} {bound:10.{digits}f}: ours at {ratio:.2f}x the limit"
         )
     print(f"  (the version: {limit['version_bytes'] / 1e6:.0f} MB; the learner in {limit['learner_dtype']})")
+    est, base = limit["learner_estimate"], limit["framework_rss"]
+    ranks = [rss for role, _, rss in memory.peaks() if role == "learner rank"]
+    parts = ", ".join(f"{name} {value / 1e9:.2f}" for name, value in est["parts"].items() if value)
+    print(
+        f"\na learner rank, estimated (skyrl_cli.plan.memory, micro-batch {est['micro_batch_tokens']} tokens): "
+        f"{est['peak'] / 1e9:.2f} GB ({parts}) + {base / 1e9:.2f} GB the libraries' resident size = "
+        f"{(est['peak'] + base) / 1e9:.2f} GB; measured peak {', '.join(f'{r / 1e9:.2f}' for r in ranks)} GB"
+        + (f" ({max(ranks) / (est['peak'] + base):.2f}x)" if ranks else "")
+    )
 
 
 def main(argv=None) -> None:
