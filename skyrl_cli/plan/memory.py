@@ -22,10 +22,10 @@ ZeRO        weights                gradients (w bytes)     fp32 gradients + mast
 ZeRO-2's row is DeepSpeed's own estimator's (``estimate_zero2_model_states_mem_needs``: 2 P + 18 P / N);
 ZeRO-3 keeps its fp32 gradients one sub-group (``sub_group_size``, 1e9 elements) at a time during
 the optimizer step and gathers the largest module's weights and gradients (4 bytes a parameter of
-it, the estimator's ``largest_layer_memory``) in forward and backward. In fp32 (w = 4) there are no
-separate fp32 gradients or master weights. CPU offload (DeepSpeed's ``cpu_offload``; the trainer
-does not offload, the estimators have it) leaves the weights only (and, offloading the parameters
-too under ZeRO-3, the gathered module).
+it, the estimator's ``largest_layer_memory``) in forward and backward. In fp32 (w = 4) ZeRO-0 and
+ZeRO-3 keep no separate fp32 gradients or master weights; ZeRO-1/2 copy them all the same. CPU
+offload (DeepSpeed's ``cpu_offload``; the trainer does not offload, the estimators have it) leaves
+the weights only (and, offloading the parameters too under ZeRO-3, the gathered module).
 
 Activations are the tensors autograd saves for backward, per token of the largest micro-batch,
 counted for the HF Llama/Qwen decoder layer with SDPA attention (checked against torch's
@@ -156,11 +156,17 @@ class RankMemory:
 def _model_states(shape: ModelShape, setup: TrainerSetup, trained: int) -> dict[str, int]:
     n, stage, w, params = setup.ranks, setup.zero_stage, setup.weight_bytes, shape.parameters()
     mixed = w < 4  # bf16 weights: fp32 master weights and gradients beside them
+    # ZeRO-1/2 clone each rank's partition into the optimizer's own fp32 copy and flatten its gradient
+    # into another, whatever the weights' dtype (stage_1_and_2.py, single_partition_of_fp32_groups):
+    # fp32 weights get both too. ZeRO-3 uses fp32 weights as they are; stage 0 steps them in place.
+    # Measured on the Qwen2.5-0.5B shape, fp32, one rank: ZeRO-2 17.2 GB, stage 0 13.0 GB
+    # (benchmarks/RESULTS.md, "The 0.5B recipe's shape end to end").
+    fp32_copy = mixed or stage in (1, 2)
     states = {
         "weights": w * params // (n if stage == 3 else 1),
         "gradients": w * trained // (n if stage >= 2 else 1),
-        "fp32_gradients": 4 * trained // (1 if stage == 0 else n) if mixed and stage < 3 else 0,
-        "master_weights": 4 * trained // (1 if stage == 0 else n) if mixed else 0,
+        "fp32_gradients": 4 * trained // (1 if stage == 0 else n) if fp32_copy and stage < 3 else 0,
+        "master_weights": 4 * trained // (1 if stage == 0 else n) if fp32_copy else 0,
         "optimizer": 8 * trained // (1 if stage == 0 else n),
         "zero3_gathered": 0,
         "zero3_step": 0,

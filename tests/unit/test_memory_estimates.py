@@ -106,8 +106,11 @@ def test_zero_stages_by_hand_for_the_1_5b_model():
     zero1 = trainer_rank_memory(shape, TrainerSetup(4, 1, 1))
     assert zero0.model_states == 2 * p + 2 * p + 16 * p  # bf16 weights and gradients, fp32 grads, master, Adam
     assert zero1.model_states == 2 * p + 2 * p + 16 * p // 4
-    fp32 = trainer_rank_memory(shape, TrainerSetup(4, 2, 1, weight_bytes=4))
-    assert fp32.model_states == 4 * p + (4 + 8) * p // 4  # no master copy, no separate fp32 gradients
+    fp32 = {stage: trainer_rank_memory(shape, TrainerSetup(4, stage, 1, weight_bytes=4)) for stage in (0, 2, 3)}
+    assert fp32[0].model_states == 4 * p + 4 * p + 8 * p  # stepped in place: no master copy, no fp32 gradients
+    # ZeRO-2 clones its partition and flattens its gradient in fp32 even when the weights are fp32
+    assert fp32[2].model_states == 4 * p + (4 + 4 + 4 + 8) * p // 4
+    assert fp32[3].master_weights == 0 and fp32[3].fp32_gradients == 0  # ZeRO-3 steps fp32 partitions as they are
 
 
 def test_lora_trains_only_adapters_and_keeps_the_base_whole():
