@@ -8,23 +8,19 @@ import json
 import os
 import shutil
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 
-class Keeper:
-    """Hard-links each entry of ``source`` that ``wanted`` accepts into ``dest`` as it appears (the
-    run prunes old weight versions and consumed batches; the benchmark reads them afterwards)."""
+class Watcher:
+    """Calls ``look()`` every ``period_s`` on a thread of its own from ``with`` to its end, and once
+    more at the end."""
 
-    def __init__(self, source: Path, dest: Path, wanted: Callable[[Path], bool]):
-        self.source, self.dest, self.wanted = source, dest, wanted
-        self.dest.mkdir(parents=True, exist_ok=True)
+    period_s = 0.05
+
+    def __enter__(self):
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.watch, daemon=True)
-
-    def __enter__(self) -> "Keeper":
         self.thread.start()
         return self
 
@@ -34,11 +30,23 @@ class Keeper:
 
     def watch(self) -> None:
         while not self.stop.is_set():
-            self.keep_new()
-            time.sleep(0.05)
-        self.keep_new()
+            self.look()
+            self.stop.wait(self.period_s)
+        self.look()
 
-    def keep_new(self) -> None:
+    def look(self) -> None:
+        raise NotImplementedError
+
+
+class Keeper(Watcher):
+    """Hard-links each entry of ``source`` that ``wanted`` accepts into ``dest`` as it appears (the
+    run prunes old weight versions and consumed batches; the benchmark reads them afterwards)."""
+
+    def __init__(self, source: Path, dest: Path, wanted: Callable[[Path], bool]):
+        self.source, self.dest, self.wanted = source, dest, wanted
+        self.dest.mkdir(parents=True, exist_ok=True)
+
+    def look(self) -> None:
         if not self.source.is_dir():
             return
         for path in self.source.iterdir():
@@ -80,49 +88,40 @@ def role_of(cmdline: str) -> str | None:
     return None
 
 
-@dataclass
-class ProcessMemory:
+class ProcessMemory(Watcher):
     """Samples the resident memory of ``root_pid`` and all its descendants every ``period_s``;
     ``peaks()`` gives each process's peak, labelled with its role (the driver is ``skyrl``)."""
 
-    root_pid: int
-    period_s: float = 0.2
-    peak_rss: dict[int, int] = field(default_factory=dict)
-    labels: dict[int, str] = field(default_factory=dict)
+    period_s = 0.2
 
-    def __post_init__(self):
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.watch, daemon=True)
-
-    def __enter__(self) -> "ProcessMemory":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def watch(self) -> None:
+    def __init__(self, root_pid: int):
         import psutil  # lazy: only the benchmarks that watch a run need it
 
+        self.root_pid = root_pid
+        self.peak_rss: dict[int, int] = {}
+        self.labels: dict[int, str] = {}
         try:
-            root = psutil.Process(self.root_pid)
+            self.root = psutil.Process(root_pid)
+        except psutil.NoSuchProcess:
+            self.root = None
+
+    def look(self) -> None:
+        import psutil  # lazy: as __init__
+
+        if self.root is None:
+            return
+        try:
+            tree = [self.root, *self.root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
-        while not self.stop.is_set():
+        for proc in tree:
             try:
-                tree = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
-            for proc in tree:
-                try:
-                    rss = proc.memory_info().rss
-                    if proc.pid not in self.labels:
-                        self.labels[proc.pid] = self.label(proc)
-                except psutil.Error:
-                    continue
-                self.peak_rss[proc.pid] = max(rss, self.peak_rss.get(proc.pid, 0))
-            time.sleep(self.period_s)
+                rss = proc.memory_info().rss
+                if proc.pid not in self.labels:
+                    self.labels[proc.pid] = self.label(proc)
+            except psutil.Error:
+                continue
+            self.peak_rss[proc.pid] = max(rss, self.peak_rss.get(proc.pid, 0))
 
     def label(self, proc) -> str:
         if proc.pid == self.root_pid:
