@@ -248,7 +248,27 @@ def _rl_step(recipe: Recipe, shape: ModelShape, hardware: Hardware, engine: Engi
     updates = rl.mini_batches * rl.epochs
     tokens = trajectories * inference.max_model_len
     extra = (1 if rl.kl.coef > 0 else 0) + (1 if rl.loss.ratio == "proximal" and updates > 1 else 0)
-    training = Training(
+    training = _training(recipe, shape, setup, tokens, updates=updates, passes=rl.epochs, extra_forwards=extra)
+    transport = select_weight_sync(recipe, "cuda", transfer_available=True)
+    return StepTime(
+        generation_seconds(work, gpu),
+        training_seconds(training, gpu),
+        sync_seconds(transport, version_bytes(recipe, shape, transport, hardware), gpu),
+    )
+
+
+def _training(
+    recipe: Recipe,
+    shape: ModelShape,
+    setup: TrainerSetup,
+    tokens: int,
+    *,
+    updates: int,
+    passes: int,
+    extra_forwards: int,
+) -> Training:
+    """A stage's step for the roofline: ``tokens`` trained ``passes`` times in ``updates`` optimizer steps."""
+    return Training(
         tokens=tokens,
         parameters=shape.parameters(),
         trained=_trained(shape, setup),
@@ -256,16 +276,10 @@ def _rl_step(recipe: Recipe, shape: ModelShape, hardware: Hardware, engine: Engi
         zero_stage=setup.zero_stage,
         weight_bytes=setup.weight_bytes,
         updates=updates,
-        micro_batches=math.ceil(tokens * rl.epochs / world_size(recipe) / setup.micro_batch_tokens),
-        extra_forwards=extra,
+        micro_batches=math.ceil(tokens * passes / world_size(recipe) / setup.micro_batch_tokens),
+        extra_forwards=extra_forwards,
         lora=recipe.model.lora is not None,
-        passes=rl.epochs,
-    )
-    transport = select_weight_sync(recipe, "cuda", transfer_available=True)
-    return StepTime(
-        generation_seconds(work, gpu),
-        training_seconds(training, gpu),
-        sync_seconds(transport, version_bytes(recipe, shape, transport, hardware), gpu),
+        passes=passes,
     )
 
 
@@ -278,17 +292,7 @@ def _trained(shape: ModelShape, setup: TrainerSetup) -> int:
 def _sft_step(recipe: Recipe, shape: ModelShape, hardware: Hardware) -> float:
     setup = trainer_setup(recipe, "sft", hardware)
     tokens = recipe.sft.batch_size * recipe.data.max_length
-    training = Training(
-        tokens=tokens,
-        parameters=shape.parameters(),
-        trained=_trained(shape, setup),
-        gpus=world_size(recipe),
-        zero_stage=setup.zero_stage,
-        weight_bytes=setup.weight_bytes,
-        updates=1,
-        micro_batches=math.ceil(tokens / world_size(recipe) / setup.micro_batch_tokens),
-        lora=recipe.model.lora is not None,
-    )
+    training = _training(recipe, shape, setup, tokens, updates=1, passes=1, extra_forwards=0)
     return training_seconds(training, hardware.gpu)
 
 
