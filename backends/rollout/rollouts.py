@@ -102,9 +102,10 @@ class Rollouts:
                     )
                 )
                 self.window_tokens += samples[-1].num_loss_tokens  # sampled: observations are not generation
+        generated = time.monotonic()  # timing/generate_s ends here: the teacher's pass is timing/teacher_s
         if self.teacher is not None:  # before the buffer: with --async this overlaps the learner's step
             await self.teacher.score(samples)
-        return Group(ref.uid, samples, start_version, started_s=started, finished_s=time.monotonic())
+        return Group(ref.uid, samples, start_version, started_s=started, finished_s=generated)
 
     def record_error(self, sample: str, version: int, episode, count: bool = True) -> None:
         """Count a sample whose user code failed and append its record to ``sample_errors.jsonl``
