@@ -31,6 +31,9 @@ def test_sixteen_clients_a_sigkill_and_a_restart(tiny_model_dir, tmp_path):
     # the mix really ran: every kind of request, from every client, before and after the kill
     assert {"forward_backward", "optim_step", "forward", "save_state", "load_state", "sample"} <= set(latencies)
     assert all(rec.ok for rec in report.records), [rec.index for rec in report.records if not rec.ok]
-    assert sum(len(rec.clear_errors) for rec in report.records) >= 1  # the kill caught someone mid-request
-    assert sum(rec.sessions >= 2 for rec in report.records) >= CLIENTS // 2  # and they came back
+    caught = [rec for rec in report.records if rec.clear_errors]
+    assert caught  # the kill caught someone mid-request
+    # and every client it caught came back in a new session and finished (how many it catches depends
+    # on the machine's load: 5 of 16 with another test file running beside this one, 8+ alone)
+    assert all(rec.sessions >= 2 and rec.ok for rec in caught), [(r.index, r.sessions, r.ok) for r in caught]
     assert report.futures_checked > 50 and report.checkpoints_loaded >= 8 and report.replayed == 3
