@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its neighbours import
-from run_watch import Keeper, directory_bytes, per_step, versions  # noqa: E402
+from run_watch import Keeper, directory_bytes, per_step, rl_argv, versions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disk", "delta")
@@ -61,9 +61,7 @@ def run_rl(args, mode: str, out: Path) -> Path:
         *([f"inference.full_version_every={args.steps + 1}"] if mode == "delta" else []),
         *args.sets,
     ]
-    argv = [args.skyrl, "rl", str(args.recipe), "--run-dir", str(run_dir), "--overwrite", "--quiet"]
-    for item in sets:
-        argv += ["--set", item]
+    argv = rl_argv(args.skyrl, args.recipe, run_dir, sets)
     with Keeper(run_dir / "weights", kept, versions):
         done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its neighbours import
-from run_watch import Keeper, ProcessMemory, event_times, per_step, versions  # noqa: E402
+from run_watch import Keeper, ProcessMemory, event_times, per_step, rl_argv, versions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = (
@@ -81,9 +81,7 @@ def run_rl(args, out: Path) -> tuple[Path, ProcessMemory, float]:
         "rl.save_every=0",
         *args.sets,
     ]
-    argv = [args.skyrl, "rl", str(args.recipe), "--run-dir", str(run_dir), "--overwrite", "--quiet"]
-    for item in sets:
-        argv += ["--set", item]
+    argv = rl_argv(args.skyrl, args.recipe, run_dir, sets)
     started = time.monotonic()
     with (
         Keeper(run_dir / "batches", out / "batches", lambda p: p.suffix == ".json"),

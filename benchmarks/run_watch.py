@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Callable
 
 
+def rl_argv(skyrl: str, recipe: Path, run_dir: Path, sets: list[str]) -> list[str]:
+    """``skyrl rl RECIPE`` into a fresh ``run_dir``, quiet, with each ``KEY=VALUE`` of ``sets``."""
+    argv = [skyrl, "rl", str(recipe), "--run-dir", str(run_dir), "--overwrite", "--quiet"]
+    for item in sets:
+        argv += ["--set", item]
+    return argv
+
+
 class Watcher:
     """Calls ``look()`` every ``period_s`` on a thread of its own from ``with`` to its end, and once
     more at the end."""
