@@ -27,12 +27,11 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its neighbours import
-from run_watch import Keeper, directory_bytes, per_step, rl_argv, versions  # noqa: E402
+from run_watch import Keeper, directory_bytes, per_step, rl_argv, versions, work_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disk", "delta")
@@ -44,7 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--init-from", type=Path, required=True, help="the RL stage's starting model (an SFT final/)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--out", type=Path, default=None, help="keep the runs here (default: a temporary directory, removed at the end)"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--skyrl", default=str(Path(sys.executable).with_name("skyrl")))
     return p.parse_args(argv)
@@ -160,18 +161,18 @@ def summary(runs: dict[str, dict[int, dict[str, float]]], kept: dict[str, Path],
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    out = args.out or Path(tempfile.mkdtemp(prefix="skyrl-delta-"))
-    runs, kept, walls = {}, {}, {}
-    for mode in MODES:
-        started = time.monotonic()
-        run_dir = run_rl(args, mode, out)
-        walls[mode] = time.monotonic() - started
-        runs[mode], kept[mode] = per_step(run_dir), out / f"versions-{mode}"
-    figures = summary(runs, kept, args.steps)
-    figures["encodings"] = encodings(kept["delta"], out / "rl-delta" / "final", out / "scratch")
+    with work_dir(args.out, "skyrl-delta-") as out:
+        runs, kept, walls = {}, {}, {}
+        for mode in MODES:
+            started = time.monotonic()
+            run_dir = run_rl(args, mode, out)
+            walls[mode] = time.monotonic() - started
+            runs[mode], kept[mode] = per_step(run_dir), out / f"versions-{mode}"
+        figures = summary(runs, kept, args.steps)
+        figures["encodings"] = encodings(kept["delta"], out / "rl-delta" / "final", out / "scratch")
     figures["wall_s"] = walls
     disk, delta, enc = figures["disk"], figures["delta"], figures["encodings"]
-    print(f"versions 1-{args.steps}, medians (run directories under {out}):")
+    print(f"versions 1-{args.steps}, medians:")
     print(f"  whole version             {delta['full_bytes'] / 1e6:10.2f} MB")
     print(f"  disk: written             {med(disk['written_bytes']) / 1e6:10.2f} MB")
     print(

@@ -36,12 +36,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its neighbours import
-from run_watch import Keeper, ProcessMemory, event_times, per_step, rl_argv, versions  # noqa: E402
+from run_watch import Keeper, ProcessMemory, event_times, per_step, rl_argv, versions, work_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = (
@@ -60,7 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--model", type=Path, required=True, help="the model (make_shape_model.py's output)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--out", type=Path, default=None, help="keep the runs here (default: a temporary directory, removed at the end)"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--skyrl", default=str(Path(sys.executable).with_name("skyrl")))
     p.add_argument("--direct-engine", type=Path, help=argparse.SUPPRESS)  # child mode: the engine's limit
@@ -404,11 +405,11 @@ def main(argv=None) -> None:
         return run_direct_engine(args.direct_engine)
     if args.bare_learner:
         return run_bare_learner(args.bare_learner)
-    out = args.out or Path(tempfile.mkdtemp(prefix="skyrl-shape-"))
-    run_dir, memory, wall_s = run_rl(args, out)
-    phases = step_phases(run_dir, args.steps)
-    batches = kept_batches(out)
-    limit = limits(run_dir, out, phases, batches)
+    with work_dir(args.out, "skyrl-shape-") as out:
+        run_dir, memory, wall_s = run_rl(args, out)
+        phases = step_phases(run_dir, args.steps)
+        batches = kept_batches(out)
+        limit = limits(run_dir, out, phases, batches)
     report(phases, memory, limit, wall_s)
     if args.json:
         figures = {
