@@ -11,8 +11,13 @@ and interval ratios. Events (the names of ``skyrl_contracts.events``):
     engine/preemptions            preemptions in the interval, summed
     engine/prefix_cache_hit_rate  prefix-cache hits / queries (tokens) in the interval
     engine/gen_tokens_per_s       generated tokens per second, summed
-    spec/acceptance_rate          accepted / proposed draft tokens in the interval
-    spec/mean_accepted_length     1 + accepted / drafts: tokens per verification step
+    spec/drafts                   speculative decoding (only while the engines speculate; zeros
+    spec/draft_tokens             included): verification steps that had a draft, draft tokens
+    spec/accepted_tokens          proposed, draft tokens accepted, run totals over the engines
+                                  since the scraper's first scrape
+    spec/acceptance_rate          accepted / proposed draft tokens, run total (0 with no drafts)
+    spec/mean_accepted_length     1 + accepted / drafts: tokens per verification step, run total
+                                  (1 with no drafts: every step then yields its one token)
     engine/<i>/...                the same per engine (kv_cache_usage, running, waiting, gen_tokens_per_s)
     router/workers                workers in the router's rotation
     router/load/<i>               the router's load figure per worker, where the engines report one
@@ -62,6 +67,9 @@ class EngineSnapshot:
     spec_drafts: float
     spec_draft_tokens: float
     spec_accepted_tokens: float
+    # vLLM registers the spec_decode counters only when the engine was started with a
+    # --speculative-config: their presence (zeros included) says the engine speculates.
+    speculative: bool = False
 
     @classmethod
     def from_metrics(cls, values: Mapping[str, float], now: float) -> "EngineSnapshot":
@@ -78,6 +86,7 @@ class EngineSnapshot:
             spec_drafts=get("spec_decode_num_drafts_total"),
             spec_draft_tokens=get("spec_decode_num_draft_tokens_total"),
             spec_accepted_tokens=get("spec_decode_num_accepted_tokens_total"),
+            speculative="vllm:spec_decode_num_drafts_total" in values,
         )
 
 
@@ -114,13 +123,37 @@ class Interval:
 
 
 def spec_decode_stats(draft_tokens: float, drafts: float, accepted: float) -> dict[str, float]:
-    """Acceptance rate and mean accepted length (tokens per verification step, vLLM's definition)."""
-    out: dict[str, float] = {}
-    if draft_tokens > 0:
-        out["spec/acceptance_rate"] = accepted / draft_tokens
-    if drafts > 0:
-        out["spec/mean_accepted_length"] = 1.0 + accepted / drafts
-    return out
+    """Acceptance rate and mean accepted length (tokens per verification step, vLLM's definition).
+    With no drafts they are 0 and 1, not left out: "speculation on, nothing proposed" is a figure
+    (n-gram lookup finds nothing to propose in short answers that do not repeat their prompt)."""
+    return {
+        "spec/acceptance_rate": accepted / draft_tokens if draft_tokens > 0 else 0.0,
+        "spec/mean_accepted_length": 1.0 + accepted / drafts if drafts > 0 else 1.0,
+    }
+
+
+@dataclass
+class SpecTotals:
+    """Speculative-decoding counters summed over engines and intervals (so over engine restarts
+    too) since the scraper's first scrape: the run's totals, not the engines' lifetimes (a pool's
+    engines served other runs before)."""
+
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+
+    def add(self, interval: Interval) -> None:
+        self.drafts += interval.spec_drafts
+        self.draft_tokens += interval.spec_draft_tokens
+        self.accepted_tokens += interval.spec_accepted_tokens
+
+    def events(self) -> dict[str, float]:
+        return {
+            "spec/drafts": self.drafts,
+            "spec/draft_tokens": self.draft_tokens,
+            "spec/accepted_tokens": self.accepted_tokens,
+            **spec_decode_stats(self.draft_tokens, self.drafts, self.accepted_tokens),
+        }
 
 
 def coefficient_of_variation(values: Sequence[float]) -> float:
@@ -133,10 +166,13 @@ def coefficient_of_variation(values: Sequence[float]) -> float:
 
 
 def engine_events(
-    snapshots: Mapping[int, EngineSnapshot], intervals: Mapping[int, Interval | None]
+    snapshots: Mapping[int, EngineSnapshot],
+    intervals: Mapping[int, Interval | None],
+    spec_totals: SpecTotals | None = None,
 ) -> dict[str, float]:
     """Metric events for the engines that answered, keyed by engine index (``intervals[i]`` is None
-    on an engine's first scrape)."""
+    on an engine's first scrape). ``spec_totals``: the run's speculative-decoding totals, this
+    interval included, reported when an engine speculates."""
     if not snapshots:
         return {}
     snaps = list(snapshots.values())
@@ -158,15 +194,10 @@ def engine_events(
         queries = sum(iv.prefix_queries for iv in ivs)
         if queries > 0:
             events["engine/prefix_cache_hit_rate"] = sum(iv.prefix_hits for iv in ivs) / queries
-        events.update(
-            spec_decode_stats(
-                sum(iv.spec_draft_tokens for iv in ivs),
-                sum(iv.spec_drafts for iv in ivs),
-                sum(iv.spec_accepted_tokens for iv in ivs),
-            )
-        )
         for i, iv in known.items():
             events[f"engine/{i}/gen_tokens_per_s"] = iv.generation_tokens / iv.seconds
+    if spec_totals is not None and any(s.speculative for s in snaps):
+        events.update(spec_totals.events())
     return events
 
 
@@ -201,11 +232,17 @@ class MetricsScraper:
         self.period_s = period_s
         self.step_fn = step_fn
         self._previous: dict[str, EngineSnapshot] = {}
+        self.spec_totals = SpecTotals()
+        self._lock = threading.Lock()  # flush() scrapes from the caller's thread too
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._http = httpx.Client(timeout=min(5.0, period_s))
 
     def scrape_once(self) -> dict[str, float]:
+        with self._lock:
+            return self._scrape()
+
+    def _scrape(self) -> dict[str, float]:
         snapshots: dict[int, EngineSnapshot] = {}
         intervals: dict[int, Interval | None] = {}
         for i, url in enumerate(self.engine_urls):
@@ -217,9 +254,11 @@ class MetricsScraper:
                 continue
             prev = self._previous.get(url)
             intervals[i] = Interval.between(prev, snap) if prev is not None else None
+            if intervals[i] is not None:
+                self.spec_totals.add(intervals[i])
             snapshots[i] = snap
             self._previous[url] = snap
-        events = engine_events(snapshots, intervals)
+        events = engine_events(snapshots, intervals, self.spec_totals)
         if self.router_url:
             try:
                 events.update(router_events(self._http.get(f"{self.router_url}/get_loads").json(), self.engine_urls))
@@ -235,6 +274,16 @@ class MetricsScraper:
                     self.writer.log(self.step_fn(), events)
             except Exception as err:  # noqa: BLE001 - a metrics failure never stops a run
                 log.warning("metrics scraper: %s", err)
+
+    def flush(self) -> None:
+        """Scrape and log now: the run's last figures (the final speculative-decoding totals among
+        them) before its summary is written, whatever the period left unscraped. Never raises."""
+        try:
+            events = self.scrape_once()
+            if events:
+                self.writer.log(self.step_fn(), events)
+        except Exception as err:  # noqa: BLE001 - a metrics failure never stops a run
+            log.warning("metrics scraper: %s", err)
 
     def start(self) -> "MetricsScraper":
         self.scrape_once()  # baseline counters, so the first logged interval has rates

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from skyrl_cli.metrics.sinks import Sink
+from skyrl_cli.metrics.summary import SPECULATIVE_FIGURES, speculative_text
 from skyrl_contracts.events import MetricEvent
 from skyrl_contracts.health import SYNC_GAP, SYNC_GAP_BOUND, sync_gap_message
 
@@ -65,6 +66,10 @@ class MetricBoard:
             value = self.value(name)
             if value is not None:
                 out.append((label, fmt.format(value)))
+        # The engines' speculative-decoding totals, zeros included, once they report any.
+        figures = {name: self.value(f"spec/{name}") for name in SPECULATIVE_FIGURES}
+        if figures["drafts"] is not None:
+            out.append(("speculation", speculative_text({k: v for k, v in figures.items() if v is not None})))
         return out
 
 

@@ -5,6 +5,9 @@
  "metrics": {"eval/accuracy": 0.86, "train/loss": 0.02, ...},          # last value of each
  "throughput": {"train/tokens_per_s": {"mean": 50123.0, "last": 51010.0}, ...},   # every */..._per_s
  "health": {"sync_gap_steps_over_bound": 3, ..., "message": "..."},   # only when a check fired
+ "speculative": {"method": "ngram", "num_speculative_tokens": 3,       # when the engines speculate
+                 "drafts": 412, "draft_tokens": 1236, "accepted_tokens": 830,
+                 "acceptance_rate": 0.67, "mean_accepted_length": 3.01},
  ...extra}                                                              # given by the command
 """
 
@@ -39,7 +42,39 @@ def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:
     health = sync_gap_health(events)
     if health is not None:
         summary["health"] = health
+    speculative = speculative_figures(summary["metrics"])
+    if speculative:
+        summary["speculative"] = speculative
     return summary
+
+
+# The run totals of speculative decoding (skyrl_cli.engines.metrics) under their summary.json names.
+SPECULATIVE_FIGURES = ("drafts", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length")
+
+
+def speculative_figures(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The last ``spec/*`` totals of a run; empty when its engines did not speculate."""
+    return {name: metrics[f"spec/{name}"] for name in SPECULATIVE_FIGURES if f"spec/{name}" in metrics}
+
+
+def speculative_text(speculative: Mapping[str, Any]) -> str:
+    """One line: the method, then the totals, zeros included (``ngram, k=3: 0 drafts ...``)."""
+    head = str(speculative.get("method", "on"))
+    if "num_speculative_tokens" in speculative:
+        head += f", k={speculative['num_speculative_tokens']}"
+    if "drafts" not in speculative:
+        return f"{head}: no figures from the engines (their /metrics were not scraped)"
+    drafts = speculative["drafts"]
+    text = (
+        f"{head}: {drafts:,.0f} drafts, {speculative.get('draft_tokens', 0):,.0f} draft tokens, "
+        f"{speculative.get('accepted_tokens', 0):,.0f} accepted"
+    )
+    if drafts == 0:
+        return text + " (nothing proposed: no speed-up)"
+    return (
+        f"{text} ({speculative.get('acceptance_rate', 0):.0%}), "
+        f"{speculative.get('mean_accepted_length', 1):.2f} tokens/step"
+    )
 
 
 def time_split(events: Iterable[MetricEvent], started_at: float, wall_s: float) -> dict[str, float]:
@@ -57,7 +92,10 @@ def write_summary(run_dir: str | os.PathLike, extra: Mapping[str, Any] | None = 
     """Write ``run_dir/summary.json`` atomically and return it."""
     paths = RunDir(run_dir)
     events = list(iter_events(paths.events))
-    summary = {**summarize(events), **(extra or {})}
+    summarized = summarize(events)
+    summary = {**summarized, **(extra or {})}
+    if "speculative" in summarized and "speculative" in (extra or {}):  # the recipe's method + the totals
+        summary["speculative"] = {**extra["speculative"], **summarized["speculative"]}
     if "started_at" in summary and "wall_s" in summary:
         summary.update(time_split(events, summary["started_at"], summary["wall_s"]))
     write_json(paths.summary, summary)
@@ -130,6 +168,8 @@ def headline_rows(summary: Mapping[str, Any], run_dir: str | os.PathLike | None 
     rows += [(label, f"{throughput[name]['mean']:,.0f}") for label, name in HEADLINE_THROUGHPUT if name in throughput]
     if "wall_s" in summary:  # a run that failed before its end has no wall time of its own
         rows.append(("wall time", wall_time_text(summary)))
+    if "speculative" in summary:
+        rows.append(("speculative decoding", speculative_text(summary["speculative"])))
     if "health" in summary:
         rows.append(("health", str(summary["health"].get("message", "a check fired"))))
     for label, key in (("model", "final_model"), ("INT4 model", "int4_model"), ("INT4 export", "output")):

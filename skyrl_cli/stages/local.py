@@ -170,10 +170,13 @@ def run_prepared_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, 
                 "final_model": str(run_dir.final),
                 "started_at": started_at,
                 **({"pool": pool.name} if pool is not None else {}),
+                **speculative_extra(recipe),
             }
             with FollowedRun(directory, sinks, summary_extra=extra) as run:
                 watch = nodes.watch if nodes else None
                 run_jobs(supervisor, plan, stack, run, progress, watch=watch, pool=pool)
+                if stack.scraper is not None:  # the engines' last figures, before the summary
+                    stack.scraper.flush()
                 progress.phase = "publishing the final model"
                 publish_final_model(run_dir)
                 if publish_final_int4(run_dir, recipe):
@@ -183,6 +186,14 @@ def run_prepared_rl(recipe, plan, run_dir: RunDir, directory: Path, mode, pool, 
         finally:
             stack.stop()
     return run.summary or {}
+
+
+def speculative_extra(recipe) -> dict:
+    """summary.json's ``speculative`` entry as the recipe sets it (the engines' totals join it)."""
+    spec = recipe.inference.speculative
+    if spec is None:
+        return {}
+    return {"speculative": {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}}
 
 
 def start_own_engines(supervisor, plan, directory: Path, *, writer, step_fn, progress, nodes):

@@ -9,6 +9,7 @@ import pytest
 from skyrl_cli.engines.metrics import (
     EngineSnapshot,
     Interval,
+    SpecTotals,
     coefficient_of_variation,
     engine_events,
     parse_prometheus,
@@ -102,7 +103,15 @@ def test_spec_decode_stats():
     # 10 verification steps proposing 3 tokens each (30), 15 accepted:
     # acceptance 0.5, 1 + 15/10 = 2.5 tokens per step.
     assert spec_decode_stats(30, 10, 15) == {"spec/acceptance_rate": 0.5, "spec/mean_accepted_length": 2.5}
-    assert spec_decode_stats(0, 0, 0) == {}
+    # Speculation on, nothing proposed: zeros, not nothing (acceptance 0, one token per step).
+    assert spec_decode_stats(0, 0, 0) == {"spec/acceptance_rate": 0.0, "spec/mean_accepted_length": 1.0}
+
+
+def test_snapshot_knows_whether_the_engine_speculates():
+    assert snapshot().speculative
+    assert not EngineSnapshot.from_metrics({"vllm:num_requests_running": 1.0}, 0.0).speculative
+    zeros = {f"vllm:spec_decode_num_{n}_total": 0.0 for n in ("drafts", "draft_tokens", "accepted_tokens")}
+    assert EngineSnapshot.from_metrics(zeros, 0.0).speculative
 
 
 def test_coefficient_of_variation():
@@ -125,7 +134,11 @@ def test_engine_events_aggregate_over_engines():
         spec_draft_tokens=60.0,
         spec_accepted_tokens=45.0,
     )
-    events = engine_events({0: a1, 1: b1}, {0: Interval.between(a0, a1), 1: Interval.between(b0, b1)})
+    intervals = {0: Interval.between(a0, a1), 1: Interval.between(b0, b1)}
+    totals = SpecTotals()
+    for iv in intervals.values():
+        totals.add(iv)
+    events = engine_events({0: a1, 1: b1}, intervals, totals)
     assert events["engine/running"] == 8.0
     assert events["engine/kv_cache_usage"] == pytest.approx(0.3)
     assert events["engine/running_cv"] == pytest.approx(0.5)
@@ -134,8 +147,34 @@ def test_engine_events_aggregate_over_engines():
     assert events["engine/prefix_cache_hit_rate"] == pytest.approx(50 / 100)  # (50 + 0) / (100 + 0)
     assert events["engine/preemptions"] == 0.0
     # Only engine 1 speculated in the interval: 30 proposed, 30 accepted, 10 steps.
+    assert (events["spec/drafts"], events["spec/draft_tokens"], events["spec/accepted_tokens"]) == (10, 30, 30)
     assert events["spec/acceptance_rate"] == pytest.approx(1.0)
     assert events["spec/mean_accepted_length"] == pytest.approx(4.0)
+
+
+def test_speculating_engines_report_zero_drafts_and_others_nothing():
+    idle = later(time=102.0)  # speculating engine, no counter moved
+    events = engine_events({0: idle}, {0: Interval.between(snapshot(), idle)}, SpecTotals())
+    assert {k: v for k, v in events.items() if k.startswith("spec/")} == {
+        "spec/drafts": 0.0,
+        "spec/draft_tokens": 0.0,
+        "spec/accepted_tokens": 0.0,
+        "spec/acceptance_rate": 0.0,
+        "spec/mean_accepted_length": 1.0,
+    }
+    plain = later(time=102.0, speculative=False)
+    assert not any(k.startswith("spec/") for k in engine_events({0: plain}, {0: None}, SpecTotals()))
+
+
+def test_spec_totals_are_run_totals_across_scrapes_and_restarts():
+    totals = SpecTotals()
+    s0, s1 = snapshot(now=0.0), later(time=5.0, spec_drafts=14.0, spec_draft_tokens=42.0, spec_accepted_tokens=21.0)
+    totals.add(Interval.between(s0, s1))  # 4 drafts, 12 tokens, 6 accepted
+    restarted = later(time=10.0, spec_drafts=2.0, spec_draft_tokens=6.0, spec_accepted_tokens=6.0)
+    totals.add(Interval.between(s1, restarted))  # counters went backwards: the new totals are the increment
+    assert (totals.drafts, totals.draft_tokens, totals.accepted_tokens) == (6.0, 18.0, 12.0)
+    assert totals.events()["spec/acceptance_rate"] == pytest.approx(12 / 18)
+    assert totals.events()["spec/mean_accepted_length"] == pytest.approx(1 + 12 / 6)
 
 
 def test_first_scrape_has_gauges_but_no_rates():

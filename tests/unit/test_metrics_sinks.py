@@ -234,3 +234,58 @@ def test_follow_events_until_stop(tmp_path):
 def test_write_summary_without_events(tmp_path):
     assert write_summary(tmp_path)["steps"] == 0
     assert (tmp_path / "summary.json").exists()
+
+
+ZERO_SPEC = {
+    "spec/drafts": 0.0,
+    "spec/draft_tokens": 0.0,
+    "spec/accepted_tokens": 0.0,
+    "spec/acceptance_rate": 0.0,
+    "spec/mean_accepted_length": 1.0,
+}
+
+
+def test_speculation_with_no_drafts_is_reported_as_zero_everywhere(tmp_path):
+    """The quickstart with n-gram speculation: short answers, nothing proposed. The live view,
+    summary.json and the end-of-run table say speculation was on and drafted nothing."""
+    recorder = Recorder()
+    extra = {"stage": "rl", "speculative": {"method": "ngram", "num_speculative_tokens": 3}}
+    with EventWriter(tmp_path / "events.jsonl", "inference") as writer:
+        with FollowedRun(tmp_path, recorder, extra) as run:
+            writer.log(1, {"engine/running": 0.0, **ZERO_SPEC})
+            run.poll()
+    board = MetricBoard()
+    board.update(recorder.events)
+    live = dict(board.rows())["speculation"]
+    assert live.startswith("on: 0 drafts, 0 draft tokens, 0 accepted")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["speculative"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "drafts": 0.0,
+        "draft_tokens": 0.0,
+        "accepted_tokens": 0.0,
+        "acceptance_rate": 0.0,
+        "mean_accepted_length": 1.0,
+    }
+    row = dict(headline_rows(summary))["speculative decoding"]
+    assert row == "ngram, k=3: 0 drafts, 0 draft tokens, 0 accepted (nothing proposed: no speed-up)"
+
+
+def test_speculation_figures_in_the_end_of_run_table():
+    events = [event(3, "spec/" + k[5:], v, process="inference") for k, v in ZERO_SPEC.items()]
+    events += [
+        event(4, "spec/drafts", 412.0, process="inference"),
+        event(4, "spec/draft_tokens", 1236.0, process="inference"),
+        event(4, "spec/accepted_tokens", 830.0, process="inference"),
+        event(4, "spec/acceptance_rate", 830 / 1236, process="inference"),
+        event(4, "spec/mean_accepted_length", 1 + 830 / 412, process="inference"),
+    ]
+    summary = summarize(events)
+    assert summary["speculative"]["drafts"] == 412.0
+    row = dict(headline_rows(summary))["speculative decoding"]
+    assert row == "on: 412 drafts, 1,236 draft tokens, 830 accepted (67%), 3.01 tokens/step"
+    # Speculation set in the recipe but the engines' metrics never scraped: said, not hidden.
+    rows = dict(headline_rows({"speculative": {"method": "draft_model", "num_speculative_tokens": 4}}))
+    assert rows["speculative decoding"].startswith("draft_model, k=4: no figures")
+    assert "speculative decoding" not in dict(headline_rows(summarize([event(1, "train/loss", 1.0)])))
