@@ -3,5 +3,4 @@ skyrl calls beyond the OpenAI ones. The launch plan starts engines with these, t
 the weight sync and the Tinker server address them."""
 
 SERVED_MODEL_NAME = "policy"  # --served-model-name of every engine: the base policy (LoRA versions: policy-v<k>)
-TEACHER_MODEL_NAME = "teacher"  # --served-model-name of a teacher's engines (rl.distillation)
 GENERATE_PATH = "/inference/v1/generate"  # token ids in and out, per-token weight versions (--enable-scale-out)

@@ -8,6 +8,7 @@ Layout (the machine-readable contract of a run, documented in README.md)::
     events.jsonl                  MetricEvents (skyrl_contracts.events)
     summary.json                  final figures (skyrl_cli.metrics.summary)
     sample_errors.jsonl           RL: one record per sample whose reward or environment failed (reward 0)
+    judge_verdicts.jsonl          RL with rl.judge: every judge verdict (the prompt it read, its reply, the reward)
     checkpoints/step-<n>/         complete once trainer_state.json is in it (backends.train.checkpoint)
     final/                        the stage's model, built at .tmp-final and published whole
     int4/                         INT4 W4A16 export (compressed-tensors; skyrl quantize, int4_qat; RL with
@@ -116,6 +117,10 @@ class RunDir:
     def sample_errors(self) -> Path:
         """RL: JSON lines ``{"time", "version", "sample", "turns", "error"}``, one per failed sample."""
         return self.root / "sample_errors.jsonl"
+
+    @property
+    def judge_verdicts(self) -> Path:
+        return self.root / "judge_verdicts.jsonl"
 
     @property
     def eval_initial(self) -> Path:

@@ -11,6 +11,8 @@ processes both load it.
 
 from __future__ import annotations
 
+import re
+import string
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -312,7 +314,23 @@ class AsyncConfig(Section):
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="Off-policy correction.")
 
 
-class DistillationConfig(Section):
+class AuxiliaryEngines(Section):
+    """Engines serving a model beside the policy for the run (a teacher, a judge): vLLM engines of
+    their own, never weight-synced, placed after the policy's engines (on CPU the next cores, on GPUs
+    the next GPUs)."""
+
+    engines: Annotated[int, Field(ge=1, le=1024)] = Field(
+        1, description="Local vLLM engines serving this model (on CPU one core each, after the policy's)."
+    )
+    tensor_parallel: PositiveInt = Field(
+        1, description="GPUs per engine (after the trainer's, the policy engines' and the models' before it)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description='The engines\' dtype; "auto": as the policy engines (model.dtype).'
+    )
+
+
+class DistillationConfig(AuxiliaryEngines):
     """``[rl.distillation]``: on-policy distillation from a teacher model served on engines of its own
     (never weight-synced). Each sampled trajectory is scored by the teacher (one prompt-logprob pass
     of the whole sequence) and every token the policy sampled gets ``coef x (teacher logprob -
@@ -329,15 +347,67 @@ class DistillationConfig(Section):
         description="Also train on the task reward's advantage (rl.advantage); false: pure distillation "
         "(rewards are still computed and reported, never trained on).",
     )
-    engines: Annotated[int, Field(ge=1, le=1024)] = Field(
-        1, description="Local vLLM engines serving the teacher (on CPU one core each, after the policy's)."
+
+
+JUDGE_FIELDS = ("question", "response", "answer")  # what a judge's template may name
+
+
+class JudgeConfig(AuxiliaryEngines):
+    """``[rl.judge]``: the reward is a judge model's verdict on each response, served on engines of
+    its own (never weight-synced). The judge reads ``template`` filled with the row's question, the
+    response and the reference answer, answers greedily, and ``verdict`` turns its reply into the
+    reward; a reply that cannot be parsed scores 0 and is counted (``judge/unparsed``) with a record
+    in ``judge_verdicts.jsonl``, where every verdict is kept."""
+
+    model: str = Field(
+        description="The judge: a local HF model directory (relative to the recipe), or run:<run>/<stage>. "
+        "Any tokenizer: it reads text."
     )
-    tensor_parallel: PositiveInt = Field(
-        1, description="GPUs per teacher engine (after the trainer's and the policy engines' GPUs)."
+    template: str = Field(
+        "Question: {question}\nReference answer: {answer}\nResponse: {response}\n"
+        "Is the response correct? Answer yes or no.",
+        description="The judge's prompt (one user message, through the judge's chat template when it has one): "
+        "{question} (the prompt's last user message), {response}, {answer} (the row's reference answer); "
+        "{{ and }} for literal braces.",
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description='The teacher engines\' dtype; "auto": as the policy engines (model.dtype).'
+    verdict: Literal["label", "number", "regex"] = Field(
+        "label",
+        description='How the reply becomes the reward: "label": the first of `labels` the reply says (whole '
+        'words, any case); "number": the first number in it; "regex": `pattern`\'s first group, a number '
+        "or one of `labels`.",
     )
+    labels: dict[str, float] = Field(
+        default_factory=lambda: {"yes": 1.0, "no": 0.0},
+        description='verdict = "label" (or "regex"): each label\'s reward.',
+    )
+    pattern: str | None = Field(None, description='verdict = "regex": a regular expression with one group.')
+    max_tokens: Annotated[int, Field(ge=1, le=4096)] = Field(16, description="The longest reply the judge writes.")
+
+    @model_validator(mode="after")
+    def _verdict_parts(self) -> "JudgeConfig":
+        try:
+            named = {field for _, field, _, _ in string.Formatter().parse(self.template) if field is not None}
+        except ValueError as exc:
+            raise ValueError(f"template: {exc} (write {{{{ and }}}} for literal braces)") from None
+        unknown = sorted(named - set(JUDGE_FIELDS))
+        if unknown:
+            raise ValueError(f"template names {unknown}; it may name {', '.join(JUDGE_FIELDS)}")
+        if "response" not in named:
+            raise ValueError("template must contain {response}: the judge has to see the response")
+        if self.verdict == "regex":
+            if not self.pattern:
+                raise ValueError('verdict = "regex" needs a pattern')
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r}: {exc}") from None
+            if groups < 1:
+                raise ValueError(f"pattern {self.pattern!r} has no group: its first group is the verdict")
+        elif self.pattern is not None:
+            raise ValueError(f'pattern acts only with verdict = "regex" (verdict is {self.verdict!r})')
+        if self.verdict == "label" and not self.labels:
+            raise ValueError('verdict = "label" needs labels (label = reward)')
+        return self
 
 
 class RlConfig(Section):
@@ -412,6 +482,10 @@ class RlConfig(Section):
     distillation: DistillationConfig | None = Field(
         None,
         description="On-policy distillation from a teacher model on engines of its own (docs/distillation.md).",
+    )
+    judge: JudgeConfig | None = Field(
+        None,
+        description="The reward is a judge model's verdict, served on engines of its own (docs/distillation.md).",
     )
     keep_batches: bool = Field(
         False,

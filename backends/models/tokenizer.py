@@ -99,8 +99,10 @@ def saved_tokenizer_class(path: str) -> str | None:
         return None
 
 
-def load_tokenizer(path: str):
-    """A local HF tokenizer; a missing pad token falls back to eos (needed for batched generation)."""
+def load_tokenizer(path: str, require_chat_template: bool = True):
+    """A local HF tokenizer; a missing pad token falls back to eos (needed for batched generation).
+    ``require_chat_template``: refuse one without (skyrl formats every row it trains on as a chat;
+    a judge reads plain text when it has none)."""
     if saved_tokenizer_class(path) in GENERIC_FAST_CLASSES and (Path(path) / "tokenizer.json").is_file():
         # lazy: transformers (imports torch); the orchestrator imports this module before its tokenizer lap
         from transformers import PreTrainedTokenizerFast as loader
@@ -111,6 +113,6 @@ def load_tokenizer(path: str):
     tokenizer = loader.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None and require_chat_template:
         raise ValueError(f"tokenizer at {path} has no chat template; skyrl formats every row as a chat")
     return tokenizer

@@ -46,10 +46,12 @@ from backends.rollout.client import RolloutClient
 from backends.rollout.engine_sync import EngineSync
 from backends.rollout.episodes import episode_runner
 from backends.rollout.evaluation import Evaluation
+from backends.rollout.judge import Judge
 from backends.rollout.rollouts import Rollouts
 from backends.rollout.teacher import Teacher
 from backends.rollout.trainer_feed import TrainerFeed
 from skyrl_contracts.atomic import write_json
+from skyrl_contracts.auxiliary import JUDGE, TEACHER
 from skyrl_contracts.episodes import turn_problems
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.events import EventWriter
@@ -108,8 +110,10 @@ class Orchestrator:
         async_mode: bool,
         resume: bool = True,
         teacher=None,
+        judge=None,
     ):
-        """``teacher``: the ``Teacher`` that scores every group (``rl.distillation``), or None.
+        """``teacher``: the ``Teacher`` that scores every group (``rl.distillation``), or None;
+        ``judge``: the ``Judge`` whose verdicts are the reward (``rl.judge``), or None.
         ``resume``: the learner may restart from a checkpoint, so the first version is the one it
         publishes; a fresh run (False) starts on version 0 at once (``first_version``).
         ``open_client()``: an async context manager yielding a ``RolloutClient`` (through the
@@ -120,7 +124,12 @@ class Orchestrator:
         process at start, before any engine work."""
         for key, message in turn_problems(recipe):  # recipes validate refuses these too
             raise UsageError(f"{'.'.join(key)}: {message}")
-        self.episodes = episode_runner(recipe, tokenizer)
+        if (judge is None) != (recipe.rl.judge is None):
+            raise UsageError(
+                "rl.judge: the orchestrator needs the judge's engines (--auxiliary-urls judge=...), and only then"
+            )
+        self.judge = judge
+        self.episodes = episode_runner(recipe, tokenizer, judge)
         self.recipe, self.rl = recipe, recipe.rl
         self.staleness = self.rl.async_.max_staleness if async_mode else 0
         self.tokenizer = tokenizer
@@ -132,7 +141,7 @@ class Orchestrator:
         self.resume = resume
         if (teacher is None) != (self.rl.distillation is None):
             raise UsageError(
-                "rl.distillation: the orchestrator needs the teacher's engines (--teacher-urls), and only then"
+                "rl.distillation: the orchestrator needs the teacher's engines (--auxiliary-urls teacher=...), and only then"
             )
         self.teacher = teacher
         self.startup = None  # main's StartupClock (skyrl_contracts.logs): where the start-up went
@@ -223,8 +232,11 @@ class Orchestrator:
                     task.cancel()
                 await asyncio.gather(*workers, watcher, feeder, return_exceptions=True)
                 await self.episodes.stop()
-                if self.teacher is not None:
-                    await self.teacher.aclose()
+                for auxiliary in (self.teacher, self.judge):
+                    if auxiliary is not None:
+                        await auxiliary.aclose()
+        if self.judge is not None:  # the run's totals, with the final evaluation's verdicts
+            self.events.log(self.rl.steps, self.judge.figures())
         self.events.close()
 
 
@@ -247,18 +259,22 @@ def build_orchestrator(
     async_mode: bool,
     weight_sync: str = "disk",
     resume: bool = True,
-    teacher_urls: Sequence[str] = (),
+    auxiliary_urls: Mapping[str, Sequence[str]] | None = None,
 ) -> Orchestrator:
     """The orchestrator of the run in ``run_dir``, wired to the real router, engines and learner;
-    ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``); ``teacher_urls``: the
-    engines of ``rl.distillation``'s teacher."""
+    ``weight_sync``: the plan's choice (``skyrl_cli.plan.weight_sync``); ``auxiliary_urls``: the
+    engines of each auxiliary model by its name (``skyrl_contracts.auxiliary``)."""
     paths = RunDir(run_dir)
     recipe = paths.read_recipe()
     tokenizer = load_tokenizer(str(init_from))
-    teacher = None
-    if recipe.rl.distillation is not None and teacher_urls:
+    auxiliary_urls = auxiliary_urls or {}
+    teacher = judge = None
+    if recipe.rl.distillation is not None and auxiliary_urls.get(TEACHER):
         check_same_vocabulary(tokenizer, str(init_from), recipe.rl.distillation.teacher)
-        teacher = Teacher.from_recipe(teacher_urls, recipe)
+        teacher = Teacher.from_recipe(auxiliary_urls[TEACHER], recipe)
+    if recipe.rl.judge is not None and auxiliary_urls.get(JUDGE):
+        chat = load_tokenizer(recipe.rl.judge.model, require_chat_template=False).chat_template is not None
+        judge = Judge.from_recipe(auxiliary_urls[JUDGE], recipe, paths.judge_verdicts, chat)
     orchestrator = Orchestrator(
         recipe,
         tokenizer=tokenizer,
@@ -270,6 +286,7 @@ def build_orchestrator(
         async_mode=async_mode,
         resume=resume,
         teacher=teacher,
+        judge=judge,
     )
     report_user_code(recipe.rl.agent or recipe.rl.environment or recipe.rl.reward)  # imported above
     return orchestrator
@@ -281,6 +298,15 @@ def check_same_vocabulary(tokenizer, student: str, teacher: str) -> None:
     here the loaded tokenizers are compared, a char tokenizer an SFT stage built included)."""
     if load_tokenizer(teacher).get_vocab() != tokenizer.get_vocab():
         raise UsageError(f"rl.distillation.teacher: {teacher} does not use the policy's tokenizer ({student})")
+
+
+def parse_auxiliary_urls(values: Sequence[str]) -> dict[str, list[str]]:
+    """``["teacher=URL,URL", ...]`` as ``{"teacher": [URL, URL]}``."""
+    parsed = {}
+    for value in values:
+        name, _, urls = value.partition("=")
+        parsed[name] = [u for u in urls.split(",") if u]
+    return parsed
 
 
 def engine_weights(recipe: Recipe, run_dir: Path, engine_urls: Sequence[str], weight_sync: str):
@@ -297,7 +323,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router-url", required=True)
     parser.add_argument("--engine-urls", required=True, help="comma-separated; admin calls go to each directly")
     parser.add_argument("--async", dest="async_mode", action="store_true")
-    parser.add_argument("--teacher-urls", default="", help="comma-separated: the teacher's engines (rl.distillation)")
+    parser.add_argument(
+        "--auxiliary-urls",
+        action="append",
+        default=[],
+        metavar="NAME=URL,URL",
+        help="an auxiliary model's engines (teacher: rl.distillation, judge: rl.judge); once per model",
+    )
     parser.add_argument(
         "--fresh", action="store_true", help="the run starts at version 0 (not --resume): no wait for the learner's v0"
     )
@@ -324,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         args.async_mode,
         args.weight_sync,
         not args.fresh,
-        teacher_urls=[u for u in args.teacher_urls.split(",") if u],
+        auxiliary_urls=parse_auxiliary_urls(args.auxiliary_urls),
     )
     startup.lap("recipe, data and tokenizer")
     orchestrator.startup = startup

@@ -152,6 +152,9 @@ class Rollouts:
         }
         if self.teacher is not None:
             figures["timing/teacher_s"] = self.teacher.take_seconds()  # summed over groups scored at once
+        judge = getattr(self.episodes, "judge", None)
+        if judge is not None:
+            figures |= judge.figures()
         if self.episodes.tool_use is not None:
             figures["rollout/tool_calls"] = self.tool_calls  # the run's totals, as rollout/errors
             figures["rollout/tool_errors"] = self.tool_errors

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import httpx
 
-from skyrl_contracts.engine_api import TEACHER_MODEL_NAME
+from skyrl_contracts.auxiliary import TEACHER
 from skyrl_contracts.errors import SkyrlError
 
 log = logging.getLogger("skyrl.orchestrator")
@@ -41,7 +41,7 @@ class TeacherError(SkyrlError):
 def scoring_request(ids: Sequence[int]) -> dict:
     """The ``/v1/completions`` body that scores ``ids`` (at least 2 tokens) in one pass."""
     return {
-        "model": TEACHER_MODEL_NAME,
+        "model": TEACHER,
         "prompt": [int(t) for t in ids[:-1]],
         "max_tokens": 1,
         "temperature": 1.0,

@@ -20,6 +20,7 @@ from skyrl_cli.plan.shape import ModelShape, trained_shape
 from skyrl_cli.plan.trainer import trainer_device
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.validate import resolve_path
+from skyrl_contracts.auxiliary import auxiliary_models
 from skyrl_contracts.ports import find_free_ports
 from skyrl_contracts.schema import Recipe
 
@@ -51,12 +52,11 @@ def check_layout(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[
     device = trainer_device(recipe, machine)
     engines = recipe.inference.engines if recipe.rl is not None else 0
     where = f"{len(machine.gpus)} GPU(s)" if device == "cuda" else f"{machine.cores} CPU core(s)"
-    distill = recipe.rl.distillation if recipe.rl is not None else None
-    teacher = f" + {distill.engines} teacher engine(s)" if distill is not None else ""
+    beside = "".join(f" + {m.engines.engines} {m.name} engine(s)" for m in auxiliary_models(recipe))
     return [
         passed(
             "layout",
-            f"{recipe.trainer.ranks} trainer rank(s) on {device}, {engines} local engine(s){teacher}: fits {where}",
+            f"{recipe.trainer.ranks} trainer rank(s) on {device}, {engines} local engine(s){beside}: fits {where}",
         )
     ]
 

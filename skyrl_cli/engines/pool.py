@@ -356,8 +356,11 @@ def fit_problem(pool: Pool, run_plan: LaunchPlan, engines_needed: int, init_mode
     why = unpoolable(run_plan.weight_sync or DEFAULT_TRANSPORT)
     if why:
         return why
-    if run_plan.teacher_urls:
-        return "the run serves a teacher (rl.distillation) on engines of its own, which a pool does not hold"
+    if run_plan.auxiliary_urls:
+        served = " and ".join(run_plan.auxiliary_urls)
+        return (
+            f"the run serves a {served} on engines of its own (rl.distillation, rl.judge), which a pool does not hold"
+        )
     if not pool.alive():
         return "its processes have all exited (skyrl engines down, then up again)"
     if pool.weight_sync != run_plan.weight_sync:

@@ -83,21 +83,21 @@ def launch_inference(
     metrics_period_s: float | None = 5.0,
     early_jobs: Sequence[ProcessSpec] = (),
     before_router: Callable[[], tuple[Sequence[str], ProcessSpec]] | None = None,
-    teachers: Sequence[ProcessSpec] = (),
+    auxiliaries: Sequence[ProcessSpec] = (),
 ) -> InferenceStack:
     """``engine_urls``: one per engine spec (same order), then any remote engines. ``early_jobs``
     (ProcessSpecs) start right after the engines, before they are ready; one that fails meanwhile
     ends the wait with its own error. ``before_router``: called once the local engines are ready;
     returns the engine URLs and router spec to use instead (node 0 of a run across nodes: with the
-    engines the other nodes reported meanwhile). ``teachers``: a teacher's engines (``rl.distillation``),
-    started and waited ready with the policy's; never labelled, routed or recovered (the run ends
+    engines the other nodes reported meanwhile). ``auxiliaries``: the engines of the models served beside
+    the policy (a teacher, a judge: ``skyrl_contracts.auxiliary``), started and waited ready with the policy's; never labelled, routed or recovered (the run ends
     when one dies: ``skyrl_cli.stages.local.run_jobs``)."""
     names = [spec.name for spec in engine_specs]
-    for spec in (*engine_specs, *teachers):
+    for spec in (*engine_specs, *auxiliaries):
         supervisor.start(spec)
     for spec in early_jobs:
         supervisor.start(spec)
-    supervisor.wait_ready([*names, *(spec.name for spec in teachers)], watch_jobs=[spec.name for spec in early_jobs])
+    supervisor.wait_ready([*names, *(spec.name for spec in auxiliaries)], watch_jobs=[spec.name for spec in early_jobs])
     if before_router is not None:
         engine_urls, router_spec = before_router()
     run_blocking(bring_up_to_date(list(engine_urls), read_current_weights(run_dir)))

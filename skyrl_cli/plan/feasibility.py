@@ -26,6 +26,7 @@ from skyrl_cli.plan.weight_sync import weight_sync_problems
 from skyrl_cli.recipe.loader import load_recipe
 from skyrl_cli.recipe.locator import dotted
 from skyrl_cli.recipe.validate import Problem, resolve_path
+from skyrl_contracts.auxiliary import TEACHER, auxiliary_models
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.losses import ADVANTAGE_KINDS
 from skyrl_contracts.schema import FULL_PRECISION_LAYERS, Recipe
@@ -53,7 +54,7 @@ def feasibility_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path |
     problems += (
         _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe) + lora_problems(recipe, base_dir)
     )
-    problems += teacher_problems(recipe, machine, base_dir)
+    problems += auxiliary_problems(recipe, machine, base_dir)
     return problems + quantization_problems(recipe, base_dir) + weight_sync_problems(recipe, machine)
 
 
@@ -99,8 +100,8 @@ def _device_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
         if gpu not in machine.gpus
     ]
     engine_gpus = engines * inference.tensor_parallel
-    teacher_gpus = _teacher_gpus(recipe)
-    needed = trainer.ranks + engine_gpus + teacher_gpus
+    auxiliaries = auxiliary_models(recipe)
+    needed = trainer.ranks + engine_gpus + sum(m.gpus for m in auxiliaries)
 
     layout = cluster_layout(recipe)
     if layout is not None and engines and not layout.overlap:
@@ -121,40 +122,36 @@ def _device_problems(recipe: Recipe, machine: MachineFacts) -> list[Problem]:
             Problem(
                 ("trainer", "ranks"),
                 f"the layout needs {needed} GPUs ({trainer.ranks} trainer ranks + {engine_gpus} for {engines} engines"
-                + (f" + {teacher_gpus} for the teacher's engines" if teacher_gpus else "")
+                + "".join(f" + {m.gpus} for the {m.name}'s engines" for m in auxiliaries)
                 + f") but {gpu_count} {'is' if gpu_count == 1 else 'are'} visible",
             )
         )
     return problems
 
 
-def _teacher_gpus(recipe: Recipe) -> int:
-    distill = recipe.rl.distillation if recipe.rl is not None else None
-    return distill.engines * distill.tensor_parallel if distill is not None else 0
-
-
-def teacher_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[Problem]:
-    """What the engines of ``rl.distillation``'s teacher would refuse: GPUs on a CPU run, fewer
-    positions than a trajectory holds (``inference.max_model_len``), a head size vLLM cannot serve."""
-    distill = recipe.rl.distillation if recipe.rl is not None else None
-    if distill is None:
-        return []
+def auxiliary_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path) -> list[Problem]:
+    """What the engines of an auxiliary model (a teacher, a judge) would refuse: GPUs on a CPU run,
+    a head size vLLM cannot serve, and for a teacher fewer positions than a trajectory holds
+    (``inference.max_model_len``: it scores whole trajectories)."""
     problems = []
-    if trainer_device(recipe, machine) == "cpu" and distill.tensor_parallel > 1:
-        why = f"{distill.tensor_parallel} GPUs per teacher engine, but the engines run on CPU"
-        problems.append(Problem(("rl", "distillation", "tensor_parallel"), why))
-    shape = shape_at(distill.teacher, recipe, base_dir)
-    config = config_json(resolve_path(distill.teacher, base_dir)) or {}
-    positions, length = config.get("max_position_embeddings"), recipe.inference.max_model_len
-    if isinstance(positions, int) and length is not None and positions < length:
-        why = (
-            f"the teacher has {positions} positions, fewer than a trajectory may hold (inference.max_model_len = "
-            f"{length}); lower inference.max_model_len to {positions}"
-        )
-        problems.append(Problem(("rl", "distillation", "teacher"), why))
-    if shape is not None and shape.head_dim not in VLLM_HEAD_SIZES:
-        why = f"the teacher's head size {shape.head_dim} cannot be served by vLLM (supported: {', '.join(map(str, VLLM_HEAD_SIZES))})"
-        problems.append(Problem(("rl", "distillation", "teacher"), why))
+    for model in auxiliary_models(recipe):
+        tp = model.engines.tensor_parallel
+        if trainer_device(recipe, machine) == "cpu" and tp > 1:
+            why = f"{tp} GPUs per {model.name} engine, but the engines run on CPU"
+            problems.append(Problem((*model.key, "tensor_parallel"), why))
+        shape = shape_at(model.model, recipe, base_dir)
+        config = config_json(resolve_path(model.model, base_dir)) or {}
+        positions, length = config.get("max_position_embeddings"), recipe.inference.max_model_len
+        if model.name == TEACHER and isinstance(positions, int) and length is not None and positions < length:
+            why = (
+                f"the teacher has {positions} positions, fewer than a trajectory may hold (inference.max_model_len = "
+                f"{length}); lower inference.max_model_len to {positions}"
+            )
+            problems.append(Problem(model.model_key, why))
+        if shape is not None and shape.head_dim not in VLLM_HEAD_SIZES:
+            sizes = ", ".join(map(str, VLLM_HEAD_SIZES))
+            why = f"the {model.name}'s head size {shape.head_dim} cannot be served by vLLM (supported: {sizes})"
+            problems.append(Problem(model.model_key, why))
     return problems
 
 

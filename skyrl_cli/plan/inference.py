@@ -53,8 +53,9 @@ from typing import Literal, Sequence
 
 from skyrl_cli.plan.machine import cpu_has_native_bf16
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
-from skyrl_cli.recipe.lengths import with_model_lengths
-from skyrl_contracts.engine_api import SERVED_MODEL_NAME, TEACHER_MODEL_NAME
+from skyrl_cli.recipe.lengths import config_positions, with_model_lengths
+from skyrl_contracts.auxiliary import TEACHER, AuxiliaryModel
+from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 from skyrl_contracts.schema import Recipe, RouterConfig, SpeculativeConfig
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS, WORKER_EXTENSION
 
@@ -279,45 +280,63 @@ def engine_specs(
     return specs
 
 
-def teacher_engine_name(index: int) -> str:
-    return f"teacher-{index}"
+def auxiliary_engine_name(model: AuxiliaryModel, index: int) -> str:
+    return f"{model.name}-{index}"
 
 
-def teacher_dtype(recipe: Recipe, machine: Machine) -> str:
-    """``rl.distillation.dtype``; "auto": the policy engines' dtype (``engine_dtype``)."""
-    stated = recipe.rl.distillation.dtype
+def auxiliary_dtype(recipe: Recipe, machine: Machine, model: AuxiliaryModel) -> str:
+    """The section's ``dtype``; "auto": the policy engines' dtype (``engine_dtype``)."""
+    stated = model.engines.dtype
     return engine_dtype(recipe, machine) if stated == "auto" else stated
 
 
-def teacher_engine_specs(
-    recipe: Recipe, machine: Machine, ports: Sequence[int], teacher_dir: str, async_mode: bool = False
+def auxiliary_model_len(recipe: Recipe, model: AuxiliaryModel, model_dir: str) -> int:
+    """A teacher scores whole trajectories: the policy's ``inference.max_model_len``. A judge reads
+    a question and a response (each at most that long) in its template and writes its reply: its
+    own positions, capped at twice the policy's length (a CPU engine's KV cache must hold one
+    sequence of this length: a long-context judge is not given 32k positions by default)."""
+    length = recipe.inference.max_model_len
+    if model.name == TEACHER:
+        return length
+    positions = config_positions(Path(model_dir))
+    return min(positions, 2 * length) if positions else 2 * length
+
+
+def auxiliary_engine_specs(
+    recipe: Recipe,
+    machine: Machine,
+    model: AuxiliaryModel,
+    ports: Sequence[int],
+    model_dir: str,
+    before: Sequence[AuxiliaryModel] = (),
+    async_mode: bool = False,
 ) -> list[ProcessSpec]:
-    """The engines of ``rl.distillation``'s teacher: vLLM serving ``teacher_dir`` under the name
-    ``teacher``, never weight-synced (no LoRA, no transport flags, no speculative decoding).
-    ``--logprobs-mode raw_logprobs``: a scored token's logprob is the teacher's own distribution
-    (``backends.rollout.teacher`` forces the last token of a sequence through the sampler, whose
-    processed logprob would be 0 after the forcing). The same ``--max-model-len`` as the policy's:
-    a scoring request holds a whole trajectory minus its last token. Placed after the policy
-    engines: on CPU the next cores (round robin), on GPUs the GPUs after theirs."""
+    """The engines of an auxiliary model (``skyrl_contracts.auxiliary``): vLLM serving ``model_dir``
+    under the model's name, never weight-synced (no LoRA, no transport flags, no speculative
+    decoding). ``--logprobs-mode raw_logprobs``: a token a teacher scores has the teacher's own
+    logprob (``backends.rollout.teacher`` forces the last token of a sequence through the sampler,
+    whose processed logprob would be 0 after the forcing). Placed after the policy engines and the
+    engines of the auxiliary models ``before`` this one: on CPU the next cores (round robin), on
+    GPUs the GPUs after theirs."""
     recipe = with_model_lengths(recipe)
-    inf, distill = recipe.inference, recipe.rl.distillation
+    inf, aux = recipe.inference, model.engines
     specs = []
     for index, port in enumerate(ports):
         argv = [
             machine.python,
             "-m",
             "backends.inference.serve",
-            str(teacher_dir),
+            str(model_dir),
             "--host",
             machine.host,
             "--port",
             str(port),
             "--served-model-name",
-            TEACHER_MODEL_NAME,
+            model.name,
             "--dtype",
-            teacher_dtype(recipe, machine),
+            auxiliary_dtype(recipe, machine, model),
             "--max-model-len",
-            str(inf.max_model_len),
+            str(auxiliary_model_len(recipe, model, model_dir)),
             "--max-num-seqs",
             str(inf.max_num_seqs),
             "--seed",
@@ -331,7 +350,9 @@ def teacher_engine_specs(
         env = {"HF_HUB_OFFLINE": "1", "SKYRL_DIE_WITH_PARENT": "1", "VLLM_NO_USAGE_STATS": "1"}
         if machine.device == "cpu":
             argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
-            core = machine.engine_cores[(inf.engines + index) % len(machine.engine_cores)]
+            core = machine.engine_cores[
+                (inf.engines + sum(m.engines.engines for m in before) + index) % len(machine.engine_cores)
+            ]
             env.update(
                 {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"}
             )
@@ -340,15 +361,15 @@ def teacher_engine_specs(
                 env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SKYRL_ENGINE_CORE_START": "fork"})
             devices: tuple[str, ...] = (f"cpu:{core}",)
         else:
-            tp, first = distill.tensor_parallel, inf.engines * inf.tensor_parallel
+            tp, first = aux.tensor_parallel, inf.engines * inf.tensor_parallel + sum(m.gpus for m in before)
             gpus = machine.engine_gpus[first + index * tp : first + (index + 1) * tp]
             argv += ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
             devices = tuple(f"cuda:{g}" for g in gpus)
         specs.append(
             ProcessSpec(
-                name=teacher_engine_name(index),
-                role="teacher",
+                name=auxiliary_engine_name(model, index),
+                role="auxiliary",
                 argv=tuple(argv),
                 env=env,
                 devices=devices,

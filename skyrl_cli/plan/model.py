@@ -27,8 +27,9 @@ class ReadinessCheck(Frozen):
 
 class ProcessSpec(Frozen):
     name: str = Field(description="Unique name; the log is logs/<name>.log.")
-    # "teacher": an engine of rl.distillation's teacher (never weight-synced, no router in front)
-    role: Literal["engine", "teacher", "router", "trainer", "orchestrator", "server", "quantizer", "setup"]
+    # "auxiliary": an engine of a model served beside the policy (rl.distillation's teacher, rl.judge):
+    # never weight-synced, no router in front (skyrl_contracts.auxiliary)
+    role: Literal["engine", "auxiliary", "router", "trainer", "orchestrator", "server", "quantizer", "setup"]
     argv: tuple[str, ...]
     env: dict[str, str] = Field(default_factory=dict, description="Added to the driver's environment.")
     devices: tuple[str, ...] = Field((), description="Devices this process owns (cpu:N cores or cuda:N).")
@@ -48,7 +49,7 @@ class StartOrder(Frozen):
 
     setup: tuple[ProcessSpec, ...]  # run to their end first, one after another
     engines: tuple[ProcessSpec, ...]  # started together, waited ready
-    teachers: tuple[ProcessSpec, ...] = ()  # a teacher's engines: started and waited ready with the engines
+    auxiliaries: tuple[ProcessSpec, ...] = ()  # auxiliary models' engines: started and waited ready with the engines
     beside_engines: tuple[ProcessSpec, ...]  # jobs started with the engines (their failure ends the wait)
     router: tuple[ProcessSpec, ...]  # once the engines are ready and labelled
     after_router: tuple[ProcessSpec, ...]  # everything else: the remaining jobs, other services (a server)
@@ -65,8 +66,8 @@ class LaunchPlan(Frozen):
     world_size: int = 1
     engine_urls: tuple[str, ...] = ()
     router_url: str | None = None
-    # RL with rl.distillation: the teacher's engines (the orchestrator scores every trajectory there).
-    teacher_urls: tuple[str, ...] = ()
+    # RL with auxiliary models (a teacher, a judge): each one's engines, by its name.
+    auxiliary_urls: dict[str, tuple[str, ...]] = Field(default_factory=dict)
     processes: tuple[ProcessSpec, ...] = ()
     # RL: how policy versions reach the engines (skyrl_cli.plan.weight_sync); None for other stages.
     weight_sync: TransportName | None = None
@@ -83,13 +84,18 @@ class LaunchPlan(Frozen):
         them; the router; then everything else. The launchers follow this and decide nothing."""
         setup = tuple(p for p in self.processes if p.kind == "setup")
         engines = tuple(p for p in self.processes if p.role == "engine")
-        teachers = tuple(p for p in self.processes if p.role == "teacher")
+        auxiliaries = tuple(p for p in self.processes if p.role == "auxiliary")
         beside = tuple(p for p in self.processes if p.kind == "job" and p.start_with_engines)
         router = tuple(p for p in self.processes if p.role == "router")
-        placed = {p.name for p in (*setup, *engines, *teachers, *beside, *router)}
+        placed = {p.name for p in (*setup, *engines, *auxiliaries, *beside, *router)}
         rest = tuple(p for p in self.processes if p.name not in placed)
         return StartOrder(
-            setup=setup, engines=engines, teachers=teachers, beside_engines=beside, router=router, after_router=rest
+            setup=setup,
+            engines=engines,
+            auxiliaries=auxiliaries,
+            beside_engines=beside,
+            router=router,
+            after_router=rest,
         )
 
 

@@ -17,22 +17,23 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from skyrl_cli.plan.inference import (
     Machine,
     all_engine_urls,
+    auxiliary_engine_specs,
     engine_dtype,
     engine_specs,
     engine_url,
     router_spec,
-    teacher_engine_specs,
 )
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
 from skyrl_cli.plan.quantize import ptq_spec
 from skyrl_cli.plan.trainer import trainer_device, trainer_gpus, trainer_resources, trainer_spec, world_size
 from skyrl_cli.plan.weight_sync import select_weight_sync, vllm_weight_transfer_available
+from skyrl_contracts.auxiliary import auxiliary_models
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.rundir import RUNS_ROOT, RunDir, sft_output_dir
 from skyrl_contracts.schema import Recipe
@@ -81,9 +82,9 @@ def orchestrator_spec(
     recipe_dir: Path | None = None,
     weight_sync: str = DEFAULT_TRANSPORT,
     resume: bool = False,
-    teacher_urls: Sequence[str] = (),
+    auxiliary_urls: Mapping[str, Sequence[str]] | None = None,
 ) -> ProcessSpec:
-    """``teacher_urls``: the engines of ``rl.distillation``'s teacher. ``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
+    """``auxiliary_urls``: the engines of each auxiliary model (a teacher, a judge). ``recipe_dir``: put first on the orchestrator's import path, so that ``rl.reward`` /
     ``rl.environment`` modules are found next to the recipe, like its files (then the directory
     skyrl runs in, which ``python -m`` puts on the path, then the installed packages)."""
     argv = [
@@ -101,8 +102,8 @@ def orchestrator_spec(
         "--weight-sync",
         weight_sync,
     ]
-    if teacher_urls:
-        argv += ["--teacher-urls", ",".join(teacher_urls)]
+    for name, urls in (auxiliary_urls or {}).items():
+        argv += ["--auxiliary-urls", f"{name}={','.join(urls)}"]
     if async_mode:
         argv.append("--async")
     if not resume:  # starts on v0 at once (backends.rollout.orchestrator.Orchestrator.first_version)
@@ -193,10 +194,9 @@ def plan_rl(
     device = trainer_device(recipe, machine)
     inf_machine = inference_machine(recipe, machine, device)
     weight_sync = rl_weight_sync(recipe, machine)
-    distill = recipe.rl.distillation
-    teachers = distill.engines if distill is not None else 0
-    ports = machine.free_ports(inf.engines + 4 + teachers)
-    engine_ports, teacher_ports = ports[: inf.engines], ports[inf.engines + 4 :]
+    auxiliaries = auxiliary_models(recipe)
+    ports = machine.free_ports(inf.engines + 4 + sum(m.engines.engines for m in auxiliaries))
+    engine_ports, auxiliary_ports = ports[: inf.engines], iter(ports[inf.engines + 4 :])
     router_port, prometheus_port, rdzv_port, nccl_port = ports[inf.engines : inf.engines + 4]
     router_port = inf.router.port or router_port  # the recipe's fixed port, else a free one
     setup, served = engine_model_setup(weight_sync, run_dir, init_from, machine)
@@ -208,13 +208,18 @@ def plan_rl(
     else:
         urls = [*pool.engine_urls, *(u.rstrip("/") for u in inf.urls)]
         inference, router_url = (), pool.router_url
-    teacher = teacher_engine_specs(recipe, inf_machine, teacher_ports, distill.teacher, async_mode) if teachers else []
-    teacher_urls = tuple(engine_url(inf_machine, port) for port in teacher_ports)
+    auxiliary, auxiliary_urls = [], {}
+    for index, model in enumerate(auxiliaries):
+        own = [next(auxiliary_ports) for _ in range(model.engines.engines)]
+        auxiliary += auxiliary_engine_specs(
+            recipe, inf_machine, model, own, model.model, before=auxiliaries[:index], async_mode=async_mode
+        )
+        auxiliary_urls[model.name] = tuple(engine_url(inf_machine, port) for port in own)
     trainer = rl_trainer_spec(
         recipe, run_dir, machine, resume, nccl_host or machine.host, urls, port=rdzv_port, nccl_port=nccl_port
     )
     orchestrator = orchestrator_spec(
-        run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync, resume, teacher_urls
+        run_dir, init_from, router_url, urls, machine, async_mode, recipe_dir, weight_sync, resume, auxiliary_urls
     )
     return LaunchPlan(
         stage="rl",
@@ -225,8 +230,8 @@ def plan_rl(
         world_size=world_size(recipe),
         engine_urls=tuple(urls),
         router_url=router_url,
-        teacher_urls=teacher_urls,
-        processes=(*setup, *inference, *teacher, orchestrator, trainer),
+        auxiliary_urls=auxiliary_urls,
+        processes=(*setup, *inference, *auxiliary, orchestrator, trainer),
         weight_sync=weight_sync,
         pool=pool.name if pool is not None else None,
     )

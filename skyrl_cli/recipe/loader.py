@@ -31,6 +31,7 @@ from skyrl_cli.recipe.validate import (
     data_problems,
     distillation_problems,
     environment_problems,
+    judge_problems,
     loss_problems,
     missing_files,
     not_yet_implemented,
@@ -156,6 +157,7 @@ def load_recipe(
     problems += agent_problems(recipe)
     problems += environment_problems(recipe)
     problems += distillation_problems(recipe, base_dir)
+    problems += judge_problems(recipe)
     problems += length_problems(recipe, base_dir)
     recipe = with_model_lengths(recipe, base_dir)
     for check in checks:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from skyrl_cli.recipe.registry import builtin_recipes
 from skyrl_cli.recipe.tokenizers import vocabulary_difference
-from skyrl_contracts.episodes import TASKS_WITH_TOOLS, turn_problems
+from skyrl_contracts.episodes import TASKS_WITH_TOOLS, episode_kind, turn_problems
 from skyrl_contracts.losses import RATIO_BOUNDS, inert_loss_keys
 from skyrl_contracts.rundir import RUNS_ROOT, sft_output_dir
 from skyrl_contracts.schema import Recipe, environment_library
@@ -65,6 +65,7 @@ PATH_KEYS: dict[tuple[str, ...], frozenset[str]] = {
     ("quantization", "init_from"): frozenset({"sft"}),
     ("inference", "speculative", "model"): frozenset(),
     ("rl", "distillation", "teacher"): frozenset(),
+    ("rl", "judge", "model"): frozenset(),
 }
 
 
@@ -335,6 +336,35 @@ def distillation_problems(recipe: Recipe, base_dir: Path) -> list[Problem]:
         why = vocabulary_difference(student, resolve_path(distill.teacher, base_dir))
         if why:
             problems.append(Problem(("rl", "distillation", "teacher"), f"not the policy's tokenizer: {why}"))
+    return problems
+
+
+def judge_problems(recipe: Recipe) -> list[Problem]:
+    """``rl.judge`` where it cannot be the reward: beside another reward, with episodes that score
+    themselves, across nodes, or in a pure distillation that trains on no reward."""
+    rl = recipe.rl
+    if rl is None or rl.judge is None:
+        return []
+    problems = []
+    if rl.reward is not None:
+        problems.append(
+            Problem(("rl", "reward"), "set rl.reward or [rl.judge], not both: the judge's verdict is the reward")
+        )
+    kind = episode_kind(recipe)
+    if kind != "single_turn" and rl.reward is None:
+        scorer = {"agent": "rl.agent", "environment": "the environment"}.get(kind, f"the {kind} environment")
+        why = f"the judge scores single-turn answers; these episodes are scored by {scorer} (remove [rl.judge])"
+        problems.append(Problem(("rl", "judge"), why))
+    if rl.judge.verdict == "number" and "labels" in rl.judge.model_fields_set:
+        why = 'labels act only with verdict = "label" or "regex" (verdict is "number"): remove them'
+        problems.append(Problem(("rl", "judge", "labels"), why))
+    if recipe.cluster is not None:
+        problems.append(
+            Problem(("rl", "judge"), "a judge is served on one machine: it does not run across nodes ([cluster]) yet")
+        )
+    if rl.distillation is not None and not rl.distillation.task_reward:
+        why = "pure distillation (rl.distillation.task_reward = false) trains on no reward: the judge would not act"
+        problems.append(Problem(("rl", "judge"), why))
     return problems
 
 

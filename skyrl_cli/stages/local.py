@@ -224,7 +224,7 @@ def start_own_engines(supervisor, plan, directory: Path, *, writer, step_fn, pro
         step_fn=step_fn,
         early_jobs=order.beside_engines,
         before_router=before_router,
-        teachers=order.teachers,
+        auxiliaries=order.auxiliaries,
     )
     return stack, plan
 
@@ -257,8 +257,8 @@ def run_jobs(supervisor, plan, stack, run, progress, watch=None, pool=None) -> N
     for spec in order.after_router:
         start_on_pool(supervisor, spec, pool)
     # Engines and the router that die come back (stack.recovery); without it the router may not die.
-    # A teacher's engines are not recovered: one that dies ends the run.
-    fatal = [p.name for p in plan.processes if p.role == "teacher"]
+    # An auxiliary model's engines (a teacher, a judge) are not recovered: one that dies ends the run.
+    fatal = [p.name for p in plan.processes if p.role == "auxiliary"]
     if stack.recovery is None:
         fatal += [p.name for p in plan.processes if p.role == "router"]
     supervisor.wait_jobs(jobs, on_tick=tick, fatal_services=fatal)

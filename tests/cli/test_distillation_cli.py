@@ -29,14 +29,15 @@ def test_dry_run_shows_the_teacher_engines(skyrl, tmp_path):
     result = skyrl("rl", write(tmp_path), "--dry-run", "--json", "--pool", "none", "--run-dir", tmp_path / "run")
     assert result.code == 0, result.err
     plan = json.loads(result.out)
-    teachers = [p for p in plan["processes"] if p["role"] == "teacher"]
+    teachers = [p for p in plan["processes"] if p["role"] == "auxiliary"]
     assert [p["name"] for p in teachers] == ["teacher-0", "teacher-1"]
     for p in teachers:
         assert p["argv"][3] == str(tmp_path / "teacher")
         assert p["argv"][p["argv"].index("--dtype") + 1] == "float32"
-    assert len(plan["teacher_urls"]) == 2
+    assert len(plan["auxiliary_urls"]["teacher"]) == 2
     orchestrator = next(p for p in plan["processes"] if p["role"] == "orchestrator")
-    assert orchestrator["argv"][orchestrator["argv"].index("--teacher-urls") + 1] == ",".join(plan["teacher_urls"])
+    urls = ",".join(plan["auxiliary_urls"]["teacher"])
+    assert orchestrator["argv"][orchestrator["argv"].index("--auxiliary-urls") + 1] == f"teacher={urls}"
 
 
 def test_validate_refuses_a_teacher_with_another_vocabulary(skyrl, tmp_path):
@@ -53,4 +54,6 @@ def test_validate_refuses_a_teacher_with_another_vocabulary(skyrl, tmp_path):
 def test_no_engine_pool_serves_a_run_with_a_teacher(tmp_path):
     plan = build_plan(recipe({}), "rl", tmp_path, machine=MachineFacts(cpu_cores=(0, 1)))
     why = fit_problem(SimpleNamespace(), plan, 1, tmp_path / "none")
-    assert why == "the run serves a teacher (rl.distillation) on engines of its own, which a pool does not hold"
+    assert (
+        why == "the run serves a teacher on engines of its own (rl.distillation, rl.judge), which a pool does not hold"
+    )

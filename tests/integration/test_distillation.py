@@ -68,11 +68,11 @@ def test_pure_distillation_run(tmp_path, tiny_model_dir):
 
     # the teacher's engine started, served, and is gone
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert [p["name"] for p in plan["processes"] if p["role"] == "teacher"] == ["teacher-0"]
+    assert [p["name"] for p in plan["processes"] if p["role"] == "auxiliary"] == ["teacher-0"]
     assert "teacher" in (run_dir / "logs/teacher-0.log").read_text()
     assert processes_naming(str(teacher_dir)) == []
     with pytest.raises(httpx.TransportError):
-        httpx.get(f"{plan['teacher_urls'][0]}/health", timeout=2.0)
+        httpx.get(f"{plan['auxiliary_urls']['teacher'][0]}/health", timeout=2.0)
 
     # the recorded teacher logprobs are the teacher's, on the sampled tokens only
     checked = 0

@@ -136,7 +136,7 @@ def test_feasibility_counts_the_teacher_engines_and_its_positions(tmp_path):
 def test_the_plan_starts_the_teacher_engines_beside_the_policys(tmp_path):
     r = recipe({"engines": 1, "dtype": "float32"}, inference={"engines": 1, "max_model_len": 128})
     plan = build_plan(r, "rl", tmp_path, machine=CPU2)
-    (teacher,) = [p for p in plan.processes if p.role == "teacher"]
+    (teacher,) = [p for p in plan.processes if p.role == "auxiliary"]
     assert teacher.name == "teacher-0" and teacher.devices == ("cpu:1",)  # the core after engine-0's
     argv = list(teacher.argv)
     assert argv[3] == "/models/teacher"
@@ -145,26 +145,29 @@ def test_the_plan_starts_the_teacher_engines_beside_the_policys(tmp_path):
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert argv[argv.index("--max-model-len") + 1] == "128"
     assert "--enable-lora" not in argv and "--worker-extension-cls" not in argv
-    assert plan.teacher_urls == (f"http://127.0.0.1:{teacher.ports[0]}",)
+    assert plan.auxiliary_urls == {"teacher": (f"http://127.0.0.1:{teacher.ports[0]}",)}
     orchestrator = next(p for p in plan.processes if p.role == "orchestrator")
-    assert orchestrator.argv[orchestrator.argv.index("--teacher-urls") + 1] == plan.teacher_urls[0]
+    assert (
+        orchestrator.argv[orchestrator.argv.index("--auxiliary-urls") + 1]
+        == f"teacher={plan.auxiliary_urls['teacher'][0]}"
+    )
     order = plan.start_order()
-    assert [p.name for p in order.teachers] == ["teacher-0"] and [p.name for p in order.engines] == ["engine-0"]
+    assert [p.name for p in order.auxiliaries] == ["teacher-0"] and [p.name for p in order.engines] == ["engine-0"]
     assert teacher.ports[0] not in {port for p in plan.processes if p is not teacher for port in p.ports}
 
 
 def test_without_a_teacher_the_plan_is_unchanged(tmp_path):
     plan = build_plan(recipe(), "rl", tmp_path, machine=CPU2)
-    assert plan.teacher_urls == () and not [p for p in plan.processes if p.role == "teacher"]
+    assert plan.auxiliary_urls == {} and not [p for p in plan.processes if p.role == "auxiliary"]
     orchestrator = next(p for p in plan.processes if p.role == "orchestrator")
-    assert "--teacher-urls" not in orchestrator.argv
+    assert "--auxiliary-urls" not in orchestrator.argv
 
 
 def test_teacher_engines_take_the_gpus_after_the_policy_engines(tmp_path):
     r = recipe({"engines": 1, "tensor_parallel": 2}, trainer={"ranks": 1}, inference={"engines": 1})
     plan = build_plan(r, "rl", tmp_path, machine=MachineFacts(cpu_cores=(0,), gpus=(0, 1, 2, 3)))
     engine = next(p for p in plan.processes if p.role == "engine")
-    teacher = next(p for p in plan.processes if p.role == "teacher")
+    teacher = next(p for p in plan.processes if p.role == "auxiliary")
     assert engine.devices == ("cuda:1",) and teacher.devices == ("cuda:2", "cuda:3")
 
 

@@ -71,6 +71,8 @@ def runner_class(kind: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def episode_runner(recipe: Recipe, tokenizer) -> EpisodeRunner:
-    """The runner of this recipe's episodes, its user code imported."""
-    return runner_class(episode_kind(recipe))(recipe, tokenizer)
+def episode_runner(recipe: Recipe, tokenizer, judge=None) -> EpisodeRunner:
+    """The runner of this recipe's episodes, its user code imported; ``judge``: ``rl.judge``'s
+    ``Judge`` (single-turn episodes only: ``skyrl recipes validate`` refuses it with the others)."""
+    runner = runner_class(episode_kind(recipe))
+    return runner(recipe, tokenizer, judge=judge) if judge is not None else runner(recipe, tokenizer)

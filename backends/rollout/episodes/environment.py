@@ -23,6 +23,7 @@ from backends.rollout.environments import (
     TurnText,
     run_episode,
 )
+from backends.rollout.judge import JudgedEnvironment
 from backends.rollout.rewards import GuardedCaller, load_object, load_reward_fn
 from backends.rollout.session import RolloutSession
 from skyrl_contracts.episodes import turn_limit
@@ -54,11 +55,16 @@ def encode_observation(tokenizer, history, messages, tools=()) -> list[int]:
 encode_observation.warned = False
 
 
-def environment_factory(recipe: Recipe) -> EnvironmentFactory:
-    """A callable that builds a fresh environment per trajectory, as the recipe asks."""
+def environment_factory(recipe: Recipe, judge=None) -> EnvironmentFactory:
+    """A callable that builds a fresh environment per trajectory, as the recipe asks. ``judge``:
+    the ``backends.rollout.judge.Judge`` of ``rl.judge``, which then scores the environment the
+    recipe would otherwise run (a built-in task's, or the math default)."""
     rl = recipe.rl
     if rl is None:
         raise UsageError("the recipe has no [rl] section")
+    if judge is not None:
+        base = environment_factory(recipe.model_copy(update={"rl": rl.model_copy(update={"judge": None})}))
+        return lambda: JudgedEnvironment(judge, base())
     if rl.environment and rl.reward:
         raise UsageError("set rl.environment or rl.reward, not both (an environment computes its own reward)")
     if rl.environment:
@@ -79,6 +85,12 @@ def environment_factory(recipe: Recipe) -> EnvironmentFactory:
     return MathEnvironment
 
 
+def step_timeout_s(recipe: Recipe, judge) -> float:
+    """``rl.reward_timeout_s``; a judged step also waits for the judge's request and its retries."""
+    inf = recipe.inference
+    return recipe.rl.reward_timeout_s + (inf.request_timeout_s * (inf.max_retries + 1) if judge is not None else 0.0)
+
+
 class EnvironmentEpisodes:
     """``EpisodeRunner`` for environments: reset, then a model turn and a step (or its tool calls)
     until done or the turn limit."""
@@ -89,14 +101,14 @@ class EnvironmentEpisodes:
     def preflight(cls, recipe: Recipe) -> None:
         """Nothing before the run: the recipe's own code is imported when the orchestrator starts."""
 
-    def __init__(self, recipe: Recipe, tokenizer, make_env: EnvironmentFactory | None = None):
+    def __init__(self, recipe: Recipe, tokenizer, make_env: EnvironmentFactory | None = None, judge=None):
         """``make_env``: the environments to run (another library's, adapted); by default the
-        recipe's (``environment_factory``)."""
-        self.rl, self.tokenizer = recipe.rl, tokenizer
-        self.make_env = make_env or environment_factory(recipe)
+        recipe's (``environment_factory``). ``judge``: ``rl.judge``'s ``Judge``, the reward."""
+        self.rl, self.tokenizer, self.judge = recipe.rl, tokenizer, judge
+        self.make_env = make_env or environment_factory(recipe, judge)
         self.tool_use = tool_use(recipe, tokenizer, self.make_env)
         self.max_turns = turn_limit(recipe)
-        self.caller = GuardedCaller(self.rl.reward_timeout_s, self.rl.env_concurrency)
+        self.caller = GuardedCaller(step_timeout_s(recipe, judge), self.rl.env_concurrency)
         self.eos = tokenizer.eos_token or ""
         self.client, self.stop_ids = None, []
 
