@@ -54,6 +54,9 @@ class Evaluation:
         for i, (_, episode) in enumerate(results):
             self.rollouts.record_tool_errors(f"eval-v{version}-{i}", version, episode, count=False)
         metrics = {"eval/accuracy": accuracy, "eval/errors": len(failed), "timing/eval_s": time.perf_counter() - t0}
+        checked = [ep.env_metrics["reference_reward"] for _, ep in results if "reference_reward" in ep.env_metrics]
+        if checked:  # rl.judge: the programmatic check's accuracy beside the judge's (docs/distillation.md)
+            metrics["eval/reference_accuracy"] = sum(checked) / len(checked)
         if version == 0 or self.paths.initial_accuracy() is None:
             metrics["eval/accuracy_initial"] = accuracy
             self.paths.write_initial_accuracy(version, accuracy)

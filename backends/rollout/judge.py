@@ -230,6 +230,7 @@ class JudgedEnvironment(Environment):
         self.step_name = "the judge (rl.judge)"  # what a timeout message names
         self._row: Mapping[str, Any] | None = None
         self._question = ""
+        self._reference: float | None = None
 
     def reset(self, row: Mapping[str, Any]) -> Messages:
         self._row = row
@@ -242,8 +243,14 @@ class JudgedEnvironment(Environment):
         assert self._row is not None, "step() before reset()"
         answer = reference_answer(self._row)
         reference = await asyncio.to_thread(self.reference, response) if answer is not None else None
+        self._reference = reference
         value = await self.judge.verdict(self._question, response, answer, reference)
         return StepResult(reward=value, done=True)
+
+    def metrics(self) -> dict[str, float]:
+        """``reference_reward``: the programmatic check's reward of the response, where the row has
+        one (``rollout/env/reference_reward`` in training, ``eval/reference_accuracy`` held out)."""
+        return {} if self._reference is None else {"reference_reward": self._reference}
 
     def reference(self, response: str) -> float | None:
         """The programmatic check's reward, or None where it cannot score this row."""

@@ -166,7 +166,7 @@ def test_judge_requests_are_retried_and_a_refused_one_is_an_error(tmp_path):
 
 
 def test_an_unparsed_verdict_scores_the_episode_zero_with_an_error(tmp_path):
-    judge, _ = make_judge(tmp_path, ["maybe", "yes"])
+    judge, _ = make_judge(tmp_path, ["maybe", "yes", "no"])
     caller = GuardedCaller(5.0)
 
     async def generate(history, new_messages, tools):
@@ -181,7 +181,10 @@ def test_an_unparsed_verdict_scores_the_episode_zero_with_an_error(tmp_path):
     assert failed.reward == 0.0 and "UnparsedVerdict" in failed.error and "none of the labels" in failed.error
     judged = asyncio.run(episode({"prompt": "2+2?", "answer": "4"}))
     assert judged.error is None and judged.reward == 1.0
-    first, second = records(tmp_path)
+    assert failed.env_metrics == judged.env_metrics == {"reference_reward": 1.0}  # math-verify's check
+    unchecked = asyncio.run(episode({"prompt": "2+2?"}))  # no reference answer: nothing to compare
+    assert unchecked.env_metrics == {} and "Reference answer: \n" in records(tmp_path)[-1]["prompt"]
+    first, second, _ = records(tmp_path)
     assert "Question: 2+2?\nReference answer: 4\nResponse: 4" in first["prompt"]
     assert second["reference_reward"] == 1.0  # math-verify's check of the same response
     assert judge.figures()["judge/agreement"] == 1.0
