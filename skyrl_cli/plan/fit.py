@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from skyrl_cli.plan.feasibility import feasibility_problems
-from skyrl_cli.plan.inference import Machine, engine_dtype
+from skyrl_cli.plan.inference import Machine, auxiliary_model_len, engine_dtype
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.memory import (
     GIB,
@@ -39,10 +39,11 @@ from skyrl_cli.plan.roofline import (
     sync_seconds,
     training_seconds,
 )
-from skyrl_cli.plan.shape import ModelShape
+from skyrl_cli.plan.shape import ModelShape, shape_at
 from skyrl_cli.plan.trainer import world_size
 from skyrl_cli.plan.weight_sync import select_weight_sync
 from skyrl_cli.recipe.validate import Problem
+from skyrl_contracts.auxiliary import TEACHER, AuxiliaryModel, auxiliary_models
 from skyrl_contracts.episodes import turn_limit
 from skyrl_contracts.schema import Recipe
 
@@ -107,6 +108,14 @@ class TrainerFit:
 
 
 @dataclass(frozen=True)
+class AuxiliaryFit:
+    """One GPU of an auxiliary model's engine (a teacher, a judge: ``skyrl_contracts.auxiliary``)."""
+
+    model: AuxiliaryModel
+    memory: EngineMemory
+
+
+@dataclass(frozen=True)
 class Estimate:
     layout: Layout
     trainers: tuple[TrainerFit, ...]
@@ -115,6 +124,7 @@ class Estimate:
     transport: str | None
     step: StepTime | None  # the RL stage's
     sft_step_s: float | None
+    auxiliaries: tuple[AuxiliaryFit, ...] = ()  # those whose model's shape is on disk
 
     def trainer(self, stage: str) -> TrainerFit | None:
         return next((t for t in self.trainers if t.stage == stage), None)
@@ -212,6 +222,27 @@ def _engine(recipe: Recipe, shape: ModelShape, hardware: Hardware) -> EngineMemo
         dtype,
         group,
     )
+
+
+def _auxiliary(recipe: Recipe, model: AuxiliaryModel, hardware: Hardware) -> AuxiliaryFit | None:
+    """An auxiliary model's engine as the plan starts it (``auxiliary_engine_specs``): its dtype,
+    its length; None when its shape is unknown (not on disk yet) or the GPU's memory is."""
+    shape = shape_at(model.model, recipe, Path.cwd())  # the loader made the path absolute
+    if shape is None:
+        return None
+    stated = model.engines.dtype
+    dtype = engine_bytes(recipe, hardware) if stated == "auto" else (4 if stated == "float32" else 2)
+    length = auxiliary_model_len(recipe, model, model.model)
+    if hardware.device == "cpu":
+        weights = engine_weight_bytes(shape, dtype)
+        kv_cache = recipe.inference.kv_cache_bytes
+        return AuxiliaryFit(
+            model, EngineMemory(weights + kv_cache, weights, 0, kv_bytes_per_token(shape, dtype), length)
+        )
+    if hardware.gpu_bytes is None:
+        return None
+    util, tp = recipe.inference.gpu_memory_utilization, model.engines.tensor_parallel
+    return AuxiliaryFit(model, engine_memory(shape, hardware.gpu_bytes, util, tp, length, dtype))
 
 
 def _engine_asks(recipe: Recipe) -> int:
@@ -318,6 +349,7 @@ def estimate(recipe: Recipe, shape: ModelShape, hardware: Hardware) -> Estimate:
         transport=select_weight_sync(recipe, hardware.device, transfer_available=True) if recipe.rl else None,
         step=step,
         sft_step_s=_sft_step(recipe, shape, hardware) if roofline and recipe.sft is not None else None,
+        auxiliaries=tuple(fit for m in auxiliary_models(recipe) if (fit := _auxiliary(recipe, m, hardware))),
     )
 
 
@@ -352,23 +384,35 @@ def memory_problems(recipe: Recipe, est: Estimate, hardware: Hardware) -> list[P
     if hardware.gpu_bytes is None or hardware.device != "cuda":
         return []
     problems = [_trainer_problem(t, hardware, recipe) for t in est.trainers if t.memory.peak > hardware.gpu_bytes]
-    engine = est.engine
-    if engine is None:
-        return problems
     util = recipe.inference.gpu_memory_utilization
+    if est.engine is not None:
+        keys = (("inference", "tensor_parallel"), ("inference", "max_model_len"))
+        problems += _engine_problems(est.engine, "an engine", keys, util, hardware)
+    for aux in est.auxiliaries:  # a teacher scores whole trajectories: its length is inference.max_model_len
+        length = ("inference", "max_model_len") if aux.model.name == TEACHER else aux.model.model_key
+        keys = ((*aux.model.key, "tensor_parallel"), length)
+        problems += _engine_problems(aux.memory, f"a {aux.model.name} engine", keys, util, hardware)
+    return problems
+
+
+def _engine_problems(
+    engine: EngineMemory, what: str, keys: tuple[tuple[str, ...], tuple[str, ...]], util: float, hardware: Hardware
+) -> list[Problem]:
+    """An engine GPU whose weights do not fit its share of the GPU (``keys[0]``: the tensor
+    parallelism that would split them), or whose KV cache cannot hold one trajectory (``keys[1]``)."""
     if engine.weights + engine.reserve > engine.budget:
         why = (
-            f"an engine GPU's weights ({_gib(engine.weights)} GiB) and vLLM's reserve ({_gib(engine.reserve)}) "
+            f"{what} GPU's weights ({_gib(engine.weights)} GiB) and vLLM's reserve ({_gib(engine.reserve)}) "
             f"exceed the {_gib(engine.budget)} GiB that gpu_memory_utilization {util} gives it of {hardware.gib:g} GiB"
         )
-        problems.append(Problem(("inference", "tensor_parallel"), why))
-    elif engine.trajectories < 1:
+        return [Problem(keys[0], why)]
+    if engine.trajectories < 1:
         why = (
-            f"{engine.trajectory_tokens} tokens do not fit the KV cache an engine has left "
+            f"{engine.trajectory_tokens} tokens do not fit the KV cache {what} has left "
             f"({_gib(engine.kv_cache)} GiB: {engine.tokens} tokens)"
         )
-        problems.append(Problem(("inference", "max_model_len"), why))
-    return problems
+        return [Problem(keys[1], why)]
+    return []
 
 
 # -------------------------------------------------------------------------------------- proposals
@@ -431,7 +475,8 @@ def proposals(
     if hardware.gpu_bytes is None or recipe.cluster is not None or recipe.trainer.nnodes > 1:
         return []
     fits = []
-    for layout in _candidates(recipe, shape, hardware.gpus):
+    beside = sum(m.gpus for m in auxiliary_models(recipe))  # a teacher's and a judge's GPUs stay theirs
+    for layout in _candidates(recipe, shape, hardware.gpus - beside):
         if feasibility_problems(layout.applied(recipe), machine, base_dir):  # batches that cannot split, ...
             continue
         est = _fitted(recipe, shape, hardware, layout)

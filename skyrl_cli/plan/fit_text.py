@@ -66,18 +66,27 @@ def trainer_lines(est: Estimate, hardware: Hardware) -> list[str]:
 
 
 def engine_lines(est: Estimate, hardware: Hardware) -> list[str]:
-    engine = est.engine
-    if engine is None:
-        return []
-    layout = est.layout
-    where = f"{layout.engines} engine{'s' if layout.engines > 1 else ''} x tensor parallel {layout.tensor_parallel}"
+    """A line for the policy's engines, then one for each auxiliary model's (a teacher, a judge)."""
+    lines = []
+    if est.engine is not None:
+        layout = est.layout
+        asks = f" (the recipe runs up to {est.engine_asks} on an engine)"
+        lines.append(_engine_line("", layout.engines, layout.tensor_parallel, est.engine, hardware) + asks)
+    for aux in est.auxiliaries:
+        engines = aux.model.engines
+        lines.append(_engine_line(f"{aux.model.name} ", engines.engines, engines.tensor_parallel, aux.memory, hardware))
+    return lines
+
+
+def _engine_line(kind: str, engines: int, tensor_parallel: int, engine, hardware: Hardware) -> str:
+    plural = "s" if engines > 1 else ""
+    where = f"{engines} {kind}engine{plural} x tensor parallel {tensor_parallel}"
     if hardware.device != "cuda":
-        where = f"{layout.engines} engine{'s' if layout.engines > 1 else ''} on CPU"
-    return [
+        where = f"{engines} {kind}engine{plural} on CPU"
+    return (
         f"{where}: weights {_gib(engine.weights)} GiB{' a GPU' if hardware.device == 'cuda' else ''}, KV cache {_gib(engine.kv_cache)} GiB = "
-        f"{engine.tokens:,} tokens = {engine.trajectories:,} trajectories of {engine.trajectory_tokens} tokens "
-        f"at once (the recipe runs up to {est.engine_asks} on an engine)"
-    ]
+        f"{engine.tokens:,} tokens = {engine.trajectories:,} trajectories of {engine.trajectory_tokens} tokens at once"
+    )
 
 
 def step_lines(est: Estimate) -> list[str]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +16,11 @@ from backends.rollout.environments import GuardedCaller, MathEnvironment, run_ep
 from backends.rollout.judge import Judge, JudgedEnvironment, JudgeUnavailable, UnparsedVerdict, parse_verdict
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.feasibility import feasibility_problems
+from skyrl_cli.plan.fit import Hardware, estimate, memory_problems
+from skyrl_cli.plan.fit_text import engine_lines
 from skyrl_cli.plan.machine import MachineFacts
+from skyrl_cli.plan.memory import GIB
+from skyrl_cli.plan.shape import trained_shape
 from skyrl_cli.recipe.loader import load_recipe
 from skyrl_contracts.errors import RecipeError
 from skyrl_contracts.schema import JudgeConfig, Recipe, RlConfig
@@ -276,3 +282,42 @@ def test_cpu_judge_engines_take_no_tensor_parallelism(tmp_path):
     recipe = rl_recipe(tmp_path, {"judge": {"model": "/j", "tensor_parallel": 2}})
     problems = feasibility_problems(recipe, CPU2)
     assert [".".join(p.path) for p in problems] == ["rl.judge.tensor_parallel"]
+
+
+# ------------------------------------------------------------------------------------- memory estimates
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "model_configs"
+
+
+def config_dir(tmp_path, name: str) -> str:
+    target = tmp_path / name
+    target.mkdir()
+    shutil.copy(CONFIGS / f"{name}.json", target / "config.json")
+    return str(target)
+
+
+def test_the_estimates_count_a_teachers_and_a_judges_engines(tmp_path):
+    student, teacher = config_dir(tmp_path, "qwen2.5-0.5b-instruct"), config_dir(tmp_path, "qwen2.5-7b-instruct")
+    rl = {"init_from": student, "distillation": {"teacher": teacher}, "judge": {"model": student, "engines": 2}}
+    recipe = Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"path": student},
+            "data": {"task": "addition"},
+            "rl": rl,
+            "inference": {"max_model_len": 1024},
+        }
+    )
+    shape = trained_shape(recipe, tmp_path)
+    est = estimate(recipe, shape, Hardware(8, 80 * GIB, None))
+    teacher_fit, judge_fit = est.auxiliaries
+    assert (teacher_fit.model.name, judge_fit.model.name) == ("teacher", "judge")
+    assert teacher_fit.memory.weights > 10 * est.engine.weights  # 7B beside 0.5B, both bf16
+    assert judge_fit.memory.weights == est.engine.weights and judge_fit.memory.trajectory_tokens == 2048
+    lines = engine_lines(est, Hardware(8, 80 * GIB, None))
+    assert lines[1].startswith("1 teacher engine x tensor parallel 1: weights 14.2 GiB a GPU")
+    assert lines[2].startswith("2 judge engines x tensor parallel 1:")
+    assert memory_problems(recipe, est, Hardware(8, 80 * GIB, None)) == []
+    small = Hardware(8, 12 * GIB, None)  # the 7B teacher's weights alone exceed 0.85 x 12 GiB
+    problems = memory_problems(recipe, estimate(recipe, shape, small), small)
+    assert [p.path for p in problems if "teacher" in p.message] == [("rl", "distillation", "tensor_parallel")]
