@@ -543,10 +543,16 @@ class RouterConfig(Section):
 
 
 class SpeculativeConfig(Section):
-    method: Literal["ngram", "draft_model", "eagle", "mtp"] = Field("ngram", description="vLLM speculative method.")
+    method: Literal["ngram", "draft_model", "eagle", "mtp"] = Field(
+        "ngram",
+        description="vLLM speculative method; GPU engines only (vLLM-CPU samples wrong tokens with it at "
+        'temperature > 0). "mtp" needs a policy with MTP layers. See docs/speculative.md.',
+    )
     num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = Field(3, description="Draft depth k.")
     prompt_lookup_max: Annotated[int, Field(ge=1, le=64)] = Field(4, description="n-gram: longest n-gram matched.")
-    model: str | None = Field(None, description="Draft / EAGLE model directory (draft_model, eagle).")
+    model: str | None = Field(
+        None, description="Draft / EAGLE model directory (draft_model, eagle); same vocab_size as the policy."
+    )
 
     @model_validator(mode="after")
     def _model_when_needed(self) -> "SpeculativeConfig":

@@ -5,7 +5,8 @@ how it is checked:
 
 - ``toml``: a recipe, validated by the loader. ``<!-- recipe: based-on=NAME -->`` marks a fragment
   (merged onto the built-in recipe NAME, then validated); ``<!-- recipe: in=DIR -->`` validates a
-  full recipe as if it sat in DIR (for the files it names).
+  full recipe as if it sat in DIR (for the files it names); ``gpus=N`` validates it for a machine
+  with N GPUs (``skyrl recipes validate --gpus N``), for settings refused on CPU.
 - ``bash`` / ``console`` / ``sh``: commands. ``skyrl`` lines are run (``--dry-run`` added to
   ``sft``/``rl``/``quantize``; listing and validation commands as written) or, for commands that
   start servers or long jobs, parsed by the real CLI; other lines must name files that exist.

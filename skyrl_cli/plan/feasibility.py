@@ -1,6 +1,7 @@
 """Can this recipe start on this machine? The one home of the checks that ``skyrl sft`` and
 ``skyrl rl`` would otherwise only meet while planning or starting processes: the GPU and CPU layout,
-batches that must split over the trainer ranks, and models or adapters vLLM cannot serve.
+batches that must split over the trainer ranks, models or adapters vLLM cannot serve, and speculative
+decoding where it is wrong or cannot start (``skyrl_cli.plan.speculative``).
 
 The loader runs ``feasibility_problems`` with the machine facts the planner uses
 (``skyrl_cli.plan.machine.MachineFacts``; ``skyrl recipes validate --gpus N`` replaces the GPUs), and
@@ -21,6 +22,7 @@ from skyrl_cli.plan.inference import VLLM_HEAD_SIZES, VLLM_LORA_RANKS
 from skyrl_cli.plan.machine import MachineFacts, detect_machine
 from skyrl_cli.plan.nodes import cluster_layout
 from skyrl_cli.plan.shape import LLAMA_LIKE, ModelShape, config_json, shape_at
+from skyrl_cli.plan.speculative import speculative_problems
 from skyrl_cli.plan.trainer import trainer_device, world_size
 from skyrl_cli.plan.weight_sync import weight_sync_problems
 from skyrl_cli.recipe.loader import load_recipe
@@ -55,6 +57,7 @@ def feasibility_problems(recipe: Recipe, machine: MachineFacts, base_dir: Path |
         _batch_problems(recipe) + _rl_problems(recipe) + _serving_problems(recipe) + lora_problems(recipe, base_dir)
     )
     problems += auxiliary_problems(recipe, machine, base_dir)
+    problems += speculative_problems(recipe, machine, base_dir)
     return problems + quantization_problems(recipe, base_dir) + weight_sync_problems(recipe, machine)
 
 

@@ -85,7 +85,7 @@ def test_recipe_blocks_validate(block):
     probe = folder / f".docs-check-{os.getpid()}.toml"
     probe.write_text(tomli_w.dumps(data))
     try:
-        load_for_run(str(probe), None, stage=None, gpu_count=0)
+        load_for_run(str(probe), None, stage=None, gpu_count=int(block.option("gpus") or 0))
     finally:
         probe.unlink()
 

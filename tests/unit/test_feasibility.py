@@ -96,3 +96,62 @@ def test_rl_across_nodes_is_refused_in_one_line_and_sft_across_nodes_plans(tmp_p
     assert len(str(info.value).splitlines()) == 1
     sft = recipe(trainer=multi, sft={}, rl=None)
     assert build_plan(sft, "sft", tmp_path, machine=CPU2).processes
+
+
+# ------------------------------------------------------------------------ speculative decoding
+
+NGRAM = {"speculative": {"method": "ngram"}}
+
+
+def test_speculation_is_refused_on_cpu_engines_and_allowed_on_gpus():
+    (message,) = messages(recipe(inference=NGRAM), CPU2)
+    assert message.startswith("inference.speculative.method: 'ngram' cannot run on CPU engines: ")
+    assert "rl.temperature = 1" in message and "\n" not in message
+    assert messages(recipe(inference=NGRAM, trainer={"device": "cpu"}), GPU4) == [message]
+    assert messages(recipe(inference=NGRAM), GPU4) == []
+    # No engines here: remote ones (their hardware is theirs) or an SFT-only recipe.
+    assert messages(recipe(inference={**NGRAM, "engines": 0, "urls": ["http://gpu:8000"]}), CPU2) == []
+    assert messages(recipe(rl=None, sft={}, inference=NGRAM), CPU2) == []
+
+
+def write_config(directory, **config):
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": ["X"], "vocab_size": 64, **config}))
+    return str(directory)
+
+
+def test_mtp_needs_a_policy_with_mtp_layers(tmp_path):
+    mtp = {"speculative": {"method": "mtp"}}
+    (message,) = messages(recipe(inference=mtp), GPU4)  # model.init: a Llama without MTP layers
+    assert message == (
+        "inference.speculative.method: 'mtp' needs a policy with multi-token-prediction layers, and model.init "
+        "has none (no num_nextn_predict_layers or mtp_num_hidden_layers > 0); use ngram or draft_model"
+    )
+    plain = write_config(tmp_path / "plain", num_nextn_predict_layers=0)
+    assert "rl.init_from has none" in messages(recipe(inference=mtp, rl={"init_from": plain}), GPU4)[0]
+    for name, config in {
+        "deepseek": {"num_nextn_predict_layers": 1},
+        "qwen3next": {"mtp_num_hidden_layers": 1},
+        "qwen35": {"text_config": {"mtp_num_hidden_layers": 1}},
+        "mimo-v2": {"architectures": ["MiMoV2FlashForCausalLM"]},
+    }.items():
+        policy = write_config(tmp_path / name, **config)
+        assert messages(recipe(inference=mtp, rl={"init_from": policy}), GPU4) == [], name
+    # A policy whose config cannot be read here (a hub id) is left to vLLM.
+    assert messages(recipe(inference=mtp, model={"path": "org/model"}, rl={"init_from": "sft"}), GPU4) == []
+
+
+def test_a_draft_must_share_the_policys_vocabulary(tmp_path):
+    policy = write_config(tmp_path / "policy", vocab_size=64)
+    for method in ("draft_model", "eagle"):
+        draft = write_config(tmp_path / f"{method}-ok", vocab_size=64)
+        spec = {"speculative": {"method": method, "model": draft}}
+        assert messages(recipe(inference=spec, rl={"init_from": policy}), GPU4) == []
+        other = write_config(tmp_path / f"{method}-other", vocab_size=32000)
+        spec = {"speculative": {"method": method, "model": other}}
+        assert messages(recipe(inference=spec, rl={"init_from": policy}), GPU4) == [
+            "inference.speculative.model: the draft's vocab_size is 32000, the policy's (rl.init_from) 64: "
+            "a draft model must share the policy's tokenizer"
+        ]
