@@ -242,18 +242,33 @@ def sdk_version_problem(version: str | None) -> str | None:
     )
 
 
+# the most top-k prompt logprobs a request may ask for: vLLM's default --max-logprobs, which the
+# engines run with (a larger k would fail on the engine, after the request was accepted)
+MAX_TOPK_PROMPT_LOGPROBS = 20
+
+
+def prompt_scoring_problem(req: SampleRequest, prompt_len: int, vocab: int) -> str | None:
+    """What is wrong with ``req``'s prompt-logprob fields for a prompt of ``prompt_len`` tokens, named."""
+    top = min(MAX_TOPK_PROMPT_LOGPROBS, vocab)
+    if not 0 <= req.topk_prompt_logprobs <= top:
+        return f"topk_prompt_logprobs: must be between 0 and {top}, got {req.topk_prompt_logprobs}"
+    n = req.prompt_logprobs_last_n
+    if n is not None:
+        if not req.prompt_logprobs:
+            return "prompt_logprobs_last_n: needs prompt_logprobs = true"
+        if not 1 <= n <= prompt_len - 1:
+            return f"prompt_logprobs_last_n: must be between 1 and len(prompt) - 1 = {prompt_len - 1}, got {n}"
+    return None
+
+
 def unsupported_sampling(req: SampleRequest) -> str | None:
     """The first sampling feature of ``req`` this server does not implement, named."""
-    if req.topk_prompt_logprobs:
-        return "topk_prompt_logprobs is not supported"
     if req.topk_sample_logprobs:
         return "topk_sample_logprobs is not supported"
     if req.target_prompt_logprobs is not None:
         return "target_prompt_logprobs is not supported"
     if req.prompt_alt_tokens_k:
         return "prompt_alt_tokens_k is not supported"
-    if req.prompt_logprobs_last_n is not None:
-        return "prompt_logprobs_last_n is not supported"
     if req.record_stability_info:
         return "record_stability_info (StableReinforce) is not supported"
     for chunk in req.prompt.chunks:

@@ -1,5 +1,9 @@
 """Sampling routes: sampling sessions and ``asample``, which runs on the vLLM engines as a task.
 
+``asample`` also serves prompt logprobs (``compute_logprobs``: ``max_tokens=1`` and
+``prompt_logprobs``), their top k (``topk_prompt_logprobs``) and ``prompt_logprobs_last_n``, from a
+sampler checkpoint or from the base model itself (a teacher for on-policy distillation).
+
 ``backends.tinker.sampling`` is imported where it is used: a server without inference engines
 never needs it (nor its HTTP client).
 """
@@ -20,7 +24,7 @@ from backends.tinker.routes_common import (
     refuse_if,
 )
 from backends.tinker.sampling import SampleJob, SamplingError, adapter_name
-from backends.tinker.wire import encode_sample_response
+from backends.tinker.wire import encode_sample_result
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -77,7 +81,7 @@ def _engine_model(ctx: ApiContext, who: str, model_path: str | None) -> tuple[st
 def _prompt_and_max_tokens(ctx: ApiContext, req: P.SampleRequest) -> tuple[list[int], int]:
     prompt = [token for chunk in req.prompt.chunks for token in (chunk.tokens or [])]
     if not prompt:
-        raise HttpError(400, "empty prompt")
+        raise HttpError(400, "prompt: empty prompt (no tokens)")
     vocab = ctx.vocab_limit
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise HttpError(400, f"prompt token ids must be in 0..{vocab - 1}")
@@ -88,6 +92,7 @@ def _prompt_and_max_tokens(ctx: ApiContext, req: P.SampleRequest) -> tuple[list[
         raise HttpError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) is over the limit of {limit}")
     if req.num_samples > ctx.cfg.max_samples_per_request:
         raise HttpError(400, f"num_samples {req.num_samples} is over the limit of {ctx.cfg.max_samples_per_request}")
+    refuse_if(P.prompt_scoring_problem(req, len(prompt), vocab))
     return prompt, max_tokens
 
 
@@ -115,6 +120,8 @@ async def asample(request: Request, ctx: Ctx):
         sp.seed,
         sp.stop,
         bool(req.prompt_logprobs),
+        req.topk_prompt_logprobs,
+        req.prompt_logprobs_last_n,
     )
     rid, new = ctx.store.submit(who, "sample", None, dedup=dedup)
     if new:
@@ -125,8 +132,8 @@ async def asample(request: Request, ctx: Ctx):
 async def _run_sample(ctx: ApiContext, rid: int, job) -> None:
     service = ctx.service
     try:
-        sequences, prompt_logprobs = await service.sampler.sample(job)
-        service.results.finish(rid, encode_sample_response(sequences, prompt_logprobs), "proto")
+        sequences, prompt_scores = await service.sampler.sample(job)
+        service.results.finish(rid, encode_sample_result(sequences, prompt_scores), "proto")
     except SamplingError as err:
         service.results.finish_error(rid, f"sampling failed: {err}", "Server")
     except Exception as err:

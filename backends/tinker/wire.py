@@ -4,7 +4,9 @@
 - ``decode_forward_backward``: a ``ForwardBackwardRequest`` body (optionally zstd) into plain
   Python values, checked (``WireError`` -> 400/413 naming the problem);
 - ``encode_forward_backward_output`` / ``encode_sample_response``: the two results the SDK only
-  accepts as protobuf (``Accept: application/x-protobuf``).
+  accepts as protobuf (``Accept: application/x-protobuf``); a sample's prompt logprobs, NaN where
+  a position is not scored, and its top-k prompt logprobs as a ``TopkLogprobs`` matrix (rows
+  padded with the SDK's empty fill).
 """
 
 from __future__ import annotations
@@ -257,7 +259,35 @@ class Sampled:
     stop_reason: str  # "stop" | "length"
 
 
-def encode_sample_response(sequences: list[Sampled], prompt_logprobs: list[float | None] | None) -> bytes:
+# the SDK's fill for a top-k row with nothing in it (tinker.types.topk_logprobs: token 0, MASK_LOGPROB)
+TOPK_EMPTY = (0, -99999.0)
+
+
+@dataclass
+class PromptScores:
+    """What a sample request asked of its prompt, one entry per prompt position (None where not
+    scored: position 0 always, and the positions before ``prompt_logprobs_last_n``)."""
+
+    logprobs: list[float | None] | None  # the prompt token's logprob (``prompt_logprobs``)
+    topk: list[list[tuple[int, float]] | None] | None  # the k most likely (token, logprob), best first
+    k: int = 0  # ``topk_prompt_logprobs``
+
+
+def _fill_topk(msg, rows: list[list[tuple[int, float]] | None], k: int) -> None:
+    ids = np.full((len(rows), k), TOPK_EMPTY[0], dtype=np.int32)
+    lps = np.full((len(rows), k), TOPK_EMPTY[1], dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate((row or [])[:k]):
+            ids[i, j], lps[i, j] = token, logprob
+    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)
+
+
+def encode_sample_response(
+    sequences: list[Sampled],
+    prompt_logprobs: list[float | None] | None,
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None,
+    k: int = 0,
+) -> bytes:
     pb = _pb()
     out = pb.SampleResponse()
     for seq in sequences:
@@ -269,7 +299,15 @@ def encode_sample_response(sequences: list[Sampled], prompt_logprobs: list[float
     if prompt_logprobs is not None:
         values = [np.nan if v is None else v for v in prompt_logprobs]
         out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    if topk_prompt_logprobs is not None and k > 0:
+        _fill_topk(out.topk_prompt_logprobs, topk_prompt_logprobs, k)
     return out.SerializeToString()
+
+
+def encode_sample_result(sequences: list[Sampled], prompt: PromptScores | None) -> bytes:
+    if prompt is None:
+        return encode_sample_response(sequences, None)
+    return encode_sample_response(sequences, prompt.logprobs, prompt.topk, prompt.k)
 
 
 def proto_result_as_json(kind: str, data: bytes) -> dict:
@@ -290,6 +328,12 @@ def proto_result_as_json(kind: str, data: bytes) -> dict:
         if msg.HasField("prompt_logprobs"):
             values = np.frombuffer(msg.prompt_logprobs, dtype=np.float32).tolist()
             out["prompt_logprobs"] = [None if math.isnan(v) else v for v in values]
+        if msg.HasField("topk_prompt_logprobs"):
+            topk = msg.topk_prompt_logprobs
+            ids = np.frombuffer(topk.token_ids, dtype=np.int32).reshape(topk.length, topk.k).tolist()
+            lps = np.frombuffer(topk.logprobs, dtype=np.float32).reshape(topk.length, topk.k).tolist()
+            rows = [[(t, v) for t, v in zip(i, p) if (t, v) != TOPK_EMPTY] for i, p in zip(ids, lps)]
+            out["topk_prompt_logprobs"] = [[list(pair) for pair in row] or None for row in rows]
         return out
     fields, metrics = decode_forward_backward_output(data)
     n = len(next(iter(fields.values()))) if fields else 0
