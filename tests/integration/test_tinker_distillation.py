@@ -136,6 +136,22 @@ def test_teacher_logprobs_match_transformers(served, teacher):
                 np.testing.assert_allclose(values, np.sort(expected[position])[::-1][:k], atol=tol)
                 np.testing.assert_allclose(values, expected[position][ids], atol=tol)  # each id's own logprob
 
+        # several samples and prompt logprobs at once; compute_logprobs calls and samples all in
+        # flight together (vLLM 0.32 died on this before the prompts were scored alone)
+        expected = hf_logprobs(model, NOISE)
+        want = expected[np.arange(len(NOISE) - 1), NOISE[1:]]
+        prompt = types.ModelInput.from_ints(NOISE)
+        params = types.SamplingParams(max_tokens=3, temperature=1.0)
+        both = by_name.sample(prompt, 2, params, include_prompt_logprobs=True, topk_prompt_logprobs=2)
+        scores = [by_name.compute_logprobs(prompt) for _ in range(4)]
+        samples = [by_path.sample(prompt, 2, params) for _ in range(4)]
+        both = both.result()
+        assert len(both.sequences) == 2 and all(len(s.tokens) == 3 for s in both.sequences)
+        np.testing.assert_allclose(np.array(both.prompt_logprobs[1:], dtype=np.float64), want, atol=tol)
+        for future in scores:
+            np.testing.assert_allclose(np.array(future.result()[1:], dtype=np.float64), want, atol=tol)
+        assert all(len(f.result().sequences) == 2 for f in samples)
+
         # the teacher's prompt logprobs of a pattern are sharp: it has learnt the pattern
         sharp = by_name.compute_logprobs(types.ModelInput.from_ints(PATTERN)).result()
         assert min(sharp[1:]) > -0.5, sharp
