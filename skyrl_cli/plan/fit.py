@@ -65,7 +65,8 @@ class Hardware:
 @dataclass(frozen=True)
 class Layout:
     """The settings a split changes: ``trainer.ranks``, ``inference.engines`` and
-    ``inference.tensor_parallel``, ``trainer.zero_stage``, each stage's ``max_tokens_per_microbatch``."""
+    ``inference.tensor_parallel``, ``trainer.zero_stage``, each stage's ``max_tokens_per_microbatch``,
+    ``trainer.gradient_checkpointing``."""
 
     trainer_gpus: int
     engines: int
@@ -73,6 +74,7 @@ class Layout:
     zero_stage: int
     sft_micro_batch: int | None
     rl_micro_batch: int | None
+    gradient_checkpointing: bool = False
 
     @classmethod
     def of(cls, recipe: Recipe) -> Layout:
@@ -84,11 +86,18 @@ class Layout:
             zero_stage=recipe.trainer.zero_stage,
             sft_micro_batch=sft.max_tokens_per_microbatch if sft is not None else None,
             rl_micro_batch=rl.max_tokens_per_microbatch if rl is not None else None,
+            gradient_checkpointing=recipe.trainer.gradient_checkpointing,
         )
 
     def applied(self, recipe: Recipe) -> Recipe:
         """``recipe`` with this layout's settings."""
-        trainer = recipe.trainer.model_copy(update={"ranks": self.trainer_gpus, "zero_stage": self.zero_stage})
+        trainer = recipe.trainer.model_copy(
+            update={
+                "ranks": self.trainer_gpus,
+                "zero_stage": self.zero_stage,
+                "gradient_checkpointing": self.gradient_checkpointing,
+            }
+        )
         update: dict = {"trainer": trainer}
         if recipe.rl is not None:
             update["rl"] = recipe.rl.model_copy(update={"max_tokens_per_microbatch": self.rl_micro_batch})
@@ -298,7 +307,10 @@ def _training(
     passes: int,
     extra_forwards: int,
 ) -> Training:
-    """A stage's step for the roofline: ``tokens`` trained ``passes`` times in ``updates`` optimizer steps."""
+    """A stage's step for the roofline: ``tokens`` trained ``passes`` times in ``updates`` optimizer
+    steps; gradient checkpointing runs each trained pass's forward once more, in the backward."""
+    if setup.gradient_checkpointing:
+        extra_forwards += passes
     return Training(
         tokens=tokens,
         parameters=shape.parameters(),
@@ -426,6 +438,14 @@ def _tensor_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
 def _candidates(recipe: Recipe, shape: ModelShape, gpus: int) -> list[Layout]:
     written = Layout.of(recipe)
     stages = (0, 1, 2) if recipe.model.lora is not None else (0, 1, 2, 3)  # LoRA: ZeRO 0-2
+    layouts = []
+    for checkpointing in (False, True) if not written.gradient_checkpointing else (True,):
+        layouts += _splits(replace(written, gradient_checkpointing=checkpointing), shape, gpus, stages)
+    return layouts
+
+
+def _splits(written: Layout, shape: ModelShape, gpus: int, stages: tuple[int, ...]) -> list[Layout]:
+    """Every split of ``gpus`` between the trainer and the engines, at each ZeRO stage."""
     layouts = []
     for zero in stages:
         if written.engines == 0:  # SFT only, or RL on remote engines: every GPU trains

@@ -121,6 +121,7 @@ def _split(est: Estimate) -> list[str]:
         engines,
         str(layout.zero_stage),
         micro,
+        "yes" if layout.gradient_checkpointing else "-",
         _gib(rank.memory.peak),
         trajectories,
         step,
@@ -128,7 +129,17 @@ def _split(est: Estimate) -> list[str]:
     ]
 
 
-SPLIT_COLUMNS = ("trainer GPUs", "engines x TP", "ZeRO", "micro-batch", "rank GiB", "engine traj", "step s", "async s")
+SPLIT_COLUMNS = (
+    "trainer GPUs",
+    "engines x TP",
+    "ZeRO",
+    "micro-batch",
+    "checkpointing",
+    "rank GiB",
+    "engine traj",
+    "step s",
+    "async s",
+)
 
 
 def proposal_block(proposals: list[Estimate], hardware: Hardware, stages: list[str], rl_on_engines: bool) -> list[str]:

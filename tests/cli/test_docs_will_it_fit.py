@@ -35,10 +35,11 @@ def _row(skyrl, recipe: str, gpus: int, kind: str, memory: int) -> str:
     if "none fits" in lines[header]:
         return f"| {gpus} x {memory} GiB ({kind}) | {written} | none fits | | |"
     best = re.split(r"\s{2,}", lines[header + 2].strip())
-    trainer, engines, zero, micro, rank, _, step, overlapped = best
+    trainer, engines, zero, micro, checkpointing, rank, _, step, overlapped = best
     count, _, tp = engines.partition(" x ")
     engines = f" + {count} engine{'s' if count != '1' else ''} x TP {tp}" if engines != "-" else ""
     split = f"{trainer} trainer GPU{'s' if trainer != '1' else ''}{engines}"
+    micro += ", gradient checkpointing" if checkpointing == "yes" else ""
     return f"| {gpus} x {memory} GiB ({kind}) | {written} | {split}, ZeRO-{zero}, micro-batch {micro} | {rank} | {step} / {overlapped} |"
 
 

@@ -69,3 +69,32 @@ def test_the_estimate_counts_the_recipes_checkpointing():
         assert setup.gradient_checkpointing is on
         figures[on] = trainer_rank_memory(shape, setup)
     assert figures[True].activations == figures[False].activations_checkpointed < figures[False].activations
+
+
+def test_proposals_turn_checkpointing_on_only_where_nothing_fits_without_it():
+    """gsm8k_multiturn on 4 GPUs of 24 GiB: no split fits its trainer ranks at any micro-batch
+    without checkpointing (one 1536-token sequence already needs more); with it, some do. Its
+    roofline step counts the recomputed forward, so a split that fits without it ranks first."""
+    import json
+    import tomllib
+
+    from skyrl_cli.plan.fit import Hardware, estimate, proposals
+    from skyrl_cli.plan.machine import MachineFacts
+    from skyrl_cli.plan.roofline import GPU_TYPES
+    from skyrl_cli.plan.shape import ModelShape
+    from skyrl_cli.recipe.lengths import with_model_lengths
+    from tests.docs_blocks import REPO
+
+    # the recipe as written, without its model and data files (not on this machine)
+    recipe = Recipe.model_validate(tomllib.loads((REPO / "recipes" / "gsm8k_multiturn.toml").read_text()))
+    recipe = with_model_lengths(recipe)
+    config = json.loads((REPO / "benchmarks" / "model_configs" / "qwen2.5-1.5b-instruct.json").read_text())
+    shape = ModelShape.from_config(config)
+    machine = MachineFacts(cpu_cores=(0,), gpus=(0, 1, 2, 3))
+    small = proposals(recipe, shape, Hardware(4, 24 * 2**30, GPU_TYPES["4090"]), machine, REPO / "recipes")
+    assert small and all(est.layout.gradient_checkpointing for est in small)
+    large = proposals(recipe, shape, Hardware(4, 141 * 2**30, GPU_TYPES["h200"]), machine, REPO / "recipes")
+    assert large and not large[0].layout.gradient_checkpointing
+    on = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"gradient_checkpointing": True})})
+    h200 = Hardware(4, 141 * 2**30, GPU_TYPES["h200"])
+    assert estimate(on, shape, h200).step.training_s > estimate(recipe, shape, h200).step.training_s
