@@ -19,23 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
-import random
 import re
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import httpx
-
+from backends.rollout.auxiliary import AuxiliaryEngines, shorten
 from backends.rollout.environments import Environment, Messages, SingleTurnEnvironment, StepResult, prompt_and_answer
 from skyrl_contracts.auxiliary import JUDGE
 from skyrl_contracts.schema import JudgeConfig
 
-log = logging.getLogger("skyrl.orchestrator")
-
-RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -96,53 +90,24 @@ def parse_verdict(reply: str, config: JudgeConfig) -> float:
     return value
 
 
-def shorten(text: str, limit: int = 120) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 class Judge:
     """The judge's engines (``urls``), asked through ``verdict``. ``chat``: the judge has a chat
     template (its prompt is one user message), else the prompt is sent as plain text."""
 
-    def __init__(
-        self,
-        urls: Sequence[str],
-        config: JudgeConfig,
-        verdicts_file: Path,
-        *,
-        chat: bool = True,
-        timeout_s: float = 120.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        max_concurrency: int = 64,
-    ):
-        if not urls:
-            raise ValueError("a judge needs at least one engine URL")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.in_flight = {u: 0 for u in self.urls}
+    def __init__(self, urls: Sequence[str], config: JudgeConfig, verdicts_file: Path, *, chat: bool = True, **settings):
+        """``settings``: ``AuxiliaryEngines``' (timeout, retries, backoff, concurrency)."""
+        self.engines = AuxiliaryEngines(JUDGE, urls, JudgeUnavailable, **settings)
         self.config, self.verdicts_file, self.chat = config, verdicts_file, chat
-        self.max_retries, self.backoff_s = max_retries, backoff_s
-        self._semaphore = asyncio.Semaphore(max_concurrency)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
         # The run's totals (as rollout/errors), and the agreement with a programmatic check since the last figures().
         self.verdicts = self.unparsed = self.errors = 0
         self.agreed = self.compared = 0
 
     @classmethod
     def from_recipe(cls, urls: Sequence[str], recipe, verdicts_file: Path, chat: bool) -> "Judge":
-        inf = recipe.inference
-        return cls(
-            urls,
-            recipe.rl.judge,
-            verdicts_file,
-            chat=chat,
-            timeout_s=inf.request_timeout_s,
-            max_retries=inf.max_retries,
-            max_concurrency=inf.max_concurrency,
-        )
+        return cls(urls, recipe.rl.judge, verdicts_file, chat=chat, **AuxiliaryEngines.settings(recipe))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self.engines.aclose()
 
     def request(self, prompt: str) -> tuple[str, dict]:
         """(path, body) of the request that asks the judge about ``prompt``: greedy, ``max_tokens``."""
@@ -193,31 +158,10 @@ class Judge:
         return figures
 
     async def ask(self, prompt: str) -> str:
-        """The judge's reply text; retried like a rollout request (connection errors, 5xx, 429)."""
+        """The judge's reply text."""
         path, body = self.request(prompt)
-        attempt = 0
-        while True:
-            url = min(self.urls, key=lambda u: self.in_flight[u])
-            self.in_flight[url] += 1
-            try:
-                async with self._semaphore:
-                    response = await self._http.post(f"{url}{path}", json=body)
-                if response.status_code == 200:
-                    choice = response.json()["choices"][0]
-                    return (choice["message"]["content"] or "") if self.chat else choice["text"]
-                if response.status_code not in RETRY_STATUS:
-                    raise JudgeUnavailable(f"judge {url}: HTTP {response.status_code}: {shorten(response.text, 300)}")
-                failure = f"HTTP {response.status_code}"
-            except httpx.TransportError as err:
-                failure = f"{type(err).__name__}: {err}"
-            finally:
-                self.in_flight[url] -= 1
-            if attempt >= self.max_retries:
-                raise JudgeUnavailable(f"judge {url}: no answer after {attempt + 1} attempts: {failure}")
-            attempt += 1
-            delay = self.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
-            log.warning("judge %s failed (%s); retry %d in %.2f s", url, failure, attempt, delay)
-            await asyncio.sleep(delay)
+        choice = (await self.engines.post(path, body))["choices"][0]
+        return (choice["message"]["content"] or "") if self.chat else choice["text"]
 
 
 class JudgedEnvironment(Environment):

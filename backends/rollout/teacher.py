@@ -18,20 +18,14 @@ redraws the group): without its teacher a distillation run has nothing to train 
 from __future__ import annotations
 
 import asyncio
-import logging
-import random
 import time
 from typing import Sequence
 
-import httpx
-
+from backends.rollout.auxiliary import AuxiliaryEngines
 from skyrl_contracts.auxiliary import TEACHER
 from skyrl_contracts.errors import SkyrlError
 
-log = logging.getLogger("skyrl.orchestrator")
-
 COMPLETIONS_PATH = "/v1/completions"
-RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class TeacherError(SkyrlError):
@@ -76,34 +70,18 @@ class Teacher:
     seconds during which some scoring was under way since the last call (groups scored at once
     count once)."""
 
-    def __init__(
-        self,
-        urls: Sequence[str],
-        *,
-        timeout_s: float = 120.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        max_concurrency: int = 64,
-    ):
-        if not urls:
-            raise ValueError("a teacher needs at least one engine URL")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.in_flight = {u: 0 for u in self.urls}
-        self.max_retries, self.backoff_s = max_retries, backoff_s
-        self._semaphore = asyncio.Semaphore(max_concurrency)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+    def __init__(self, urls: Sequence[str], **settings):
+        """``settings``: ``AuxiliaryEngines``' (timeout, retries, backoff, concurrency)."""
+        self.engines = AuxiliaryEngines(TEACHER, urls, TeacherError, **settings)
         self.seconds = 0.0
         self._active, self._since = 0, 0.0
 
     @classmethod
     def from_recipe(cls, urls: Sequence[str], recipe) -> "Teacher":
-        inf = recipe.inference
-        return cls(
-            urls, timeout_s=inf.request_timeout_s, max_retries=inf.max_retries, max_concurrency=inf.max_concurrency
-        )
+        return cls(urls, **AuxiliaryEngines.settings(recipe))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self.engines.aclose()
 
     def take_seconds(self) -> float:
         now = time.perf_counter()
@@ -132,26 +110,4 @@ class Teacher:
 
     async def logprobs(self, ids: Sequence[int]) -> list[float]:
         """log p_teacher(ids[t] | ids[:t]) for t = 1 .. len(ids) - 1."""
-        body = scoring_request(ids)
-        attempt = 0
-        while True:
-            url = min(self.urls, key=lambda u: self.in_flight[u])
-            self.in_flight[url] += 1
-            try:
-                async with self._semaphore:
-                    response = await self._http.post(f"{url}{COMPLETIONS_PATH}", json=body)
-                if response.status_code == 200:
-                    return parse_scores(response.json(), ids)
-                if response.status_code not in RETRY_STATUS:
-                    raise TeacherError(f"teacher {url}: HTTP {response.status_code}: {response.text[:300]}")
-                failure = f"HTTP {response.status_code}"
-            except httpx.TransportError as err:
-                failure = f"{type(err).__name__}: {err}"
-            finally:
-                self.in_flight[url] -= 1
-            if attempt >= self.max_retries:
-                raise TeacherError(f"teacher {url}: scoring failed after {attempt + 1} attempts: {failure}")
-            attempt += 1
-            delay = self.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
-            log.warning("teacher %s failed (%s); retry %d in %.2f s", url, failure, attempt, delay)
-            await asyncio.sleep(delay)
+        return parse_scores(await self.engines.post(COMPLETIONS_PATH, scoring_request(ids)), ids)

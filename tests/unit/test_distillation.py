@@ -281,7 +281,7 @@ def test_teacher_scores_response_tokens_only_where_the_policy_sampled():
 
     async def run():
         teacher = Teacher(["http://a", "http://b"], max_retries=0)
-        teacher._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        teacher.engines.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         s = Sample("p", 0, [1, 2], [3, 4, 5], [1, 0, 1], [-1.0, 0.0, -1.0])
         empty = Sample("p", 1, [1, 2], [], [], [])
         await teacher.score([s, empty])
@@ -296,7 +296,7 @@ def test_teacher_scores_response_tokens_only_where_the_policy_sampled():
 def test_a_teacher_that_keeps_failing_ends_the_run():
     async def run():
         teacher = Teacher(["http://a"], max_retries=1, backoff_s=0.0)
-        teacher._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+        teacher.engines.http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
         try:
             await teacher.score([sample()])
         finally:

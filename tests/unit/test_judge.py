@@ -129,7 +129,7 @@ class FakeJudgeEngine:
 def make_judge(tmp_path, replies, chat=True, **config) -> tuple[Judge, FakeJudgeEngine]:
     engine = FakeJudgeEngine(replies)
     judge = Judge(["http://judge:1"], judge_config(**config), tmp_path / "verdicts.jsonl", chat=chat, backoff_s=0.0)
-    judge._http = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    judge.engines.http = httpx.AsyncClient(transport=httpx.MockTransport(engine))
     return judge, engine
 
 
