@@ -77,13 +77,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[1] + [rng.randrange(7, 43) for _ in range(15)] for _ in range(n)]
 
 
-async def tokens_per_s(url: str, batch: list[list[int]], max_tokens: int, tag: str) -> float:
+async def tokens_per_s(url: str, batch: list[list[int]], max_tokens: int, tag: str, temperature: float = 1.0) -> float:
+    """Generated tokens per second of ``batch`` sent at once, every answer ``max_tokens`` long."""
     from backends.rollout.client import RolloutClient
 
     async with RolloutClient(url, max_concurrency=len(batch), timeout_s=1200) as client:
         started = time.perf_counter()
         results = await asyncio.gather(
-            *(client.generate(p, f"{tag}-{i}", max_tokens, 1.0, ignore_eos=True) for i, p in enumerate(batch))
+            *(client.generate(p, f"{tag}-{i}", max_tokens, temperature, ignore_eos=True) for i, p in enumerate(batch))
         )
         seconds = time.perf_counter() - started
     generated = sum(len(c.token_ids) for choices in results for c in choices)

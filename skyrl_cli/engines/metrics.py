@@ -268,12 +268,7 @@ class MetricsScraper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            try:
-                events = self.scrape_once()
-                if events:
-                    self.writer.log(self.step_fn(), events)
-            except Exception as err:  # noqa: BLE001 - a metrics failure never stops a run
-                log.warning("metrics scraper: %s", err)
+            self.flush()
 
     def flush(self) -> None:
         """Scrape and log now: the run's last figures (the final speculative-decoding totals among

@@ -1,5 +1,5 @@
-"""Engine features on one real engine each: speculative decoding (n-gram) with its metrics, and
-runtime LoRA adapter sync."""
+"""Engine features on one real engine each: runtime LoRA adapter sync (speculative decoding:
+tests/integration/test_speculative.py)."""
 
 from __future__ import annotations
 
@@ -27,34 +27,6 @@ async def greedy(url: str, prompts, max_tokens: int, model: str = "policy"):
     async with RolloutClient(url, max_retries=0, model=model) as client:
         outs = await asyncio.gather(*(client.generate(p, f"g{i}", max_tokens, 0.0) for i, p in enumerate(prompts)))
     return [c for (c,) in outs]
-
-
-def test_ngram_speculative_decoding_is_lossless_and_reports_acceptance(tiny_model_dir, pattern_policy, tmp_path):
-    from backends.inference.weight_sync import run_blocking, sync_weights
-    from skyrl_cli.engines.metrics import MetricsScraper
-    from skyrl_contracts.events import EventWriter, last_values, read_events
-
-    model, weights = pattern_policy.model, pattern_policy.weights_dir
-    recipe = inference_recipe(
-        engines=1, speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
-    )
-    with single_engine(recipe, tiny_model_dir, tmp_path) as url:
-        run_blocking(sync_weights([url], weights, 1))
-        writer = EventWriter(tmp_path / "events.jsonl", "metrics")
-        scraper = MetricsScraper([url], writer)
-        scraper.scrape_once()  # baseline counters
-        completions = asyncio.run(greedy(url, PATTERN_PROMPTS, 80))
-        events = scraper.scrape_once()
-        writer.log(1, events)
-    for prompt, completion in zip(PATTERN_PROMPTS, completions):
-        assert completion.token_ids == hf_greedy(model, prompt, 80)
-    # The pattern repeats every 36 tokens, so n-gram lookup proposes the right continuation.
-    print({k: round(v, 3) for k, v in events.items() if k.startswith("spec/")})
-    assert events["spec/acceptance_rate"] > 0.5
-    assert events["spec/mean_accepted_length"] > 2.0
-    logged = last_values(read_events(tmp_path / "events.jsonl")[0])
-    assert logged["spec/acceptance_rate"] == pytest.approx(events["spec/acceptance_rate"])
-    assert logged["engine/gen_tokens_per_s"] > 0
 
 
 def test_lora_adapter_reaches_the_engine(tiny_model_dir, tmp_path):
