@@ -43,15 +43,18 @@ def fetched_assets(tmp_path, monkeypatch):
 @pytest.fixture
 def quickstart_sft_output(fetched_assets, tmp_path, monkeypatch):
     """The built-in recipes in a folder of their own, run from a directory whose runs/ holds what
-    ``skyrl sft quickstart`` writes there for the tinker recipe (run:quickstart/sft; only its
-    config.json, as a real SFT run of the quickstart writes it: validation and plans read no more)."""
+    ``skyrl sft quickstart`` and ``skyrl rl quickstart`` write there for the tinker and distill recipes
+    (run:quickstart/sft, run:quickstart/rl; only their config.json, as a real run of the quickstart
+    writes it: validation and plans read no more)."""
     from skyrl_cli.recipe import registry
 
     recipes = tmp_path / "checkout" / "recipes"
     shutil.copytree(registry.recipes_dir(), recipes, ignore=shutil.ignore_patterns("__pycache__"))
     final = tmp_path / "checkout" / "runs" / "quickstart" / "sft" / "final"
-    final.mkdir(parents=True)
-    (final / "config.json").write_text(json.dumps(QUICKSTART_CONFIG))
+    for stage in ("sft", "rl"):  # the distill recipe's student and teacher
+        written = final.parent.parent / stage / "final"
+        written.mkdir(parents=True)
+        (written / "config.json").write_text(json.dumps(QUICKSTART_CONFIG))
     monkeypatch.setattr(registry, "recipes_dir", lambda: recipes)
     monkeypatch.chdir(tmp_path / "checkout")
     return final

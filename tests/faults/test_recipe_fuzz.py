@@ -70,6 +70,7 @@ LOCAL_FILES = {
     ("data", "train"): "own_task/train.jsonl",
     ("data", "eval"): "own_task/eval.jsonl",
     ("inference", "speculative", "model"): "model",
+    ("rl", "distillation", "teacher"): "model",
 }
 
 
@@ -105,6 +106,17 @@ def _leaves(data: dict, prefix: tuple = ()) -> list[tuple[tuple, object]]:
         else:
             out.append(((*prefix, key), value))
     return out
+
+
+def _free_form(table: tuple) -> bool:
+    """Tables whose keys are another library's options, not skyrl's: a reasoning-gym generator's
+    config (checked when its rows are drawn: validation does not import reasoning-gym), a
+    skyrl-gym environment's env_config, a verifiers environment's env_args."""
+    return (
+        table[-1:] == ("config",)
+        and "reasoning_gym" in table
+        or table[:2] in (("rl", "env_config"), ("rl", "env_args"))
+    )
 
 
 def _tables(data: dict, prefix: tuple = ()) -> list[tuple]:
@@ -167,7 +179,7 @@ def _wrong_type(value: object):
 @st.composite
 def data_break(draw, base: dict) -> Broken:
     """One break of the recipe's data, written back as TOML (so every key has its own line)."""
-    leaves = _leaves(base)
+    leaves = [(p, v) for p, v in _leaves(base) if not _free_form(p[:-1])]  # skyrl's keys, not a library's options
     kind = draw(
         st.sampled_from(
             [
@@ -200,7 +212,7 @@ def data_break(draw, base: dict) -> Broken:
         data = _set(base, path, draw(st.sampled_from([2**31, 10**12, 2**63 - 1, 1e30, float("inf")])))
         return Broken(kind, tomli_w.dumps(data), False)
     if kind == "unknown_key":
-        table = draw(st.sampled_from(_tables(base)))
+        table = draw(st.sampled_from([t for t in _tables(base) if not _free_form(t)]))
         key = draw(UNKNOWN_KEY)
         return Broken(kind, tomli_w.dumps(_set(base, (*table, key), draw(ANY_VALUE))), True, (*table, key))
     if kind == "unknown_table":
