@@ -114,6 +114,62 @@ def engine_dtype(recipe: Recipe, machine: Machine) -> str:
     return "bfloat16" if machine.device != "cpu" or machine.cpu_bf16 else "float32"
 
 
+def serve_argv(
+    machine: Machine,
+    model_dir: str,
+    port: int,
+    served_name: str,
+    dtype: str,
+    max_model_len: int,
+    seed: int,
+    logprobs_mode: str,
+    tensor_parallel: int,
+    inf,
+    async_mode: bool,
+) -> list[str]:
+    """``backends.inference.serve`` of ``model_dir`` on ``port`` under ``served_name``: what every
+    engine the plan starts shares, the policy's and an auxiliary model's (``inf``: the recipe's
+    ``[inference]``, its sequence, KV-cache and GPU-memory settings)."""
+    argv = [
+        machine.python,
+        "-m",
+        "backends.inference.serve",
+        str(model_dir),
+        "--host",
+        machine.host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_name,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(inf.max_num_seqs),
+        "--seed",
+        str(seed),
+        "--logprobs-mode",
+        logprobs_mode,
+        "--generation-config",
+        "vllm",
+        "--disable-uvicorn-access-log",
+    ]
+    if machine.device == "cpu":
+        # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here.
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
+        if model_in_engine_core(machine, async_mode):
+            argv += ["--distributed-executor-backend", "uni"]
+    else:
+        argv += [
+            "--tensor-parallel-size",
+            str(tensor_parallel),
+            "--gpu-memory-utilization",
+            str(inf.gpu_memory_utilization),
+        ]
+    return argv
+
+
 def engine_argv(
     recipe: Recipe,
     machine: Machine,
@@ -125,48 +181,23 @@ def engine_argv(
     seed_offset: int = 0,
 ) -> tuple[str, ...]:
     inf = recipe.inference
-    argv = [
-        machine.python,
-        "-m",
-        "backends.inference.serve",
-        str(model_dir),
-        "--host",
-        machine.host,
-        "--port",
-        str(port),
-        "--served-model-name",
+    # A distinct sampling seed per engine: with one seed, the k-th request on every engine draws
+    # the same random numbers, and samples of a group spread over engines repeat.
+    seed = recipe.seed + seed_offset + index
+    argv = serve_argv(
+        machine,
+        model_dir,
+        port,
         SERVED_MODEL_NAME,
-        "--dtype",
         engine_dtype(recipe, machine),
-        "--max-model-len",
-        str(inf.max_model_len),
-        "--max-num-seqs",
-        str(inf.max_num_seqs),
-        # A distinct sampling seed per engine: with one seed, the k-th request on every engine
-        # draws the same random numbers, and samples of a group spread over engines repeat.
-        "--seed",
-        str(recipe.seed + seed_offset + index),
-        "--enable-scale-out",
-        "--logprobs-mode",
+        inf.max_model_len,
+        seed,
         "processed_logprobs",
-        "--generation-config",
-        "vllm",
-        "--disable-uvicorn-access-log",
-        "--worker-extension-cls",
-        WORKER_EXTENSION,
-    ]
-    if machine.device == "cpu":
-        # CUDA graphs and torch.compile do not exist / do not pay off for CPU serving here.
-        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
-        if model_in_engine_core(machine, async_mode):
-            argv += ["--distributed-executor-backend", "uni"]
-    else:
-        argv += [
-            "--tensor-parallel-size",
-            str(inf.tensor_parallel),
-            "--gpu-memory-utilization",
-            str(inf.gpu_memory_utilization),
-        ]
+        inf.tensor_parallel,
+        inf,
+        async_mode,
+    )
+    argv += ["--enable-scale-out", "--worker-extension-cls", WORKER_EXTENSION]
     argv += TRANSPORTS[weight_sync].engine_flags
     if inf.speculative is not None:
         argv += ["--speculative-config", speculative_config_json(inf.speculative)]
@@ -207,20 +238,14 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
-def engine_env(
-    recipe: Recipe, machine: Machine, index: int, async_mode: bool = False
+def device_env(
+    machine: Machine, slot: int, first_gpu: int, tensor_parallel: int, async_mode: bool
 ) -> tuple[dict[str, str], tuple[str, ...]]:
-    """Environment and owned devices of engine ``index``."""
-    env = {
-        "VLLM_SERVER_DEV_MODE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "SKYRL_DIE_WITH_PARENT": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-    if recipe.model.lora is not None:
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    """Environment and owned devices of an engine: on CPU the core of ``slot`` (round robin over the
+    engine cores), on GPUs ``tensor_parallel`` GPUs from the ``first_gpu``-th engine GPU."""
+    env = {"HF_HUB_OFFLINE": "1", "SKYRL_DIE_WITH_PARENT": "1", "VLLM_NO_USAGE_STATS": "1"}
     if machine.device == "cpu":
-        core = machine.engine_cores[index % len(machine.engine_cores)]
+        core = machine.engine_cores[slot % len(machine.engine_cores)]
         # VLLM_CPU_CI_ENV skips the start-up warm-up (seconds per engine, nothing to warm on CPU
         # with eager execution). SKYRL_ENGINE_IDLE_SPIN_S: see backends/inference/serve.py (an idle
         # engine otherwise spins a core the trainer needs).
@@ -237,10 +262,21 @@ def engine_env(
             # (benchmarks/bench_engine_start.py); see backends/inference/serve.py
             env["SKYRL_ENGINE_CORE_START"] = "fork"
         return env, (f"cpu:{core}",)
-    tp = recipe.inference.tensor_parallel
-    gpus = machine.engine_gpus[index * tp : (index + 1) * tp]
+    gpus = machine.engine_gpus[first_gpu : first_gpu + tensor_parallel]
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     return env, tuple(f"cuda:{g}" for g in gpus)
+
+
+def engine_env(
+    recipe: Recipe, machine: Machine, index: int, async_mode: bool = False
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Environment and owned devices of policy engine ``index``."""
+    tp = recipe.inference.tensor_parallel
+    env, devices = device_env(machine, index, index * tp, tp, async_mode)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    if recipe.model.lora is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return env, devices
 
 
 def engine_specs(
@@ -319,53 +355,17 @@ def auxiliary_engine_specs(
     engines of the auxiliary models ``before`` this one: on CPU the next cores (round robin), on
     GPUs the GPUs after theirs."""
     recipe = with_model_lengths(recipe)
-    inf, aux = recipe.inference, model.engines
+    inf, tp = recipe.inference, model.engines.tensor_parallel
+    dtype, length = auxiliary_dtype(recipe, machine, model), auxiliary_model_len(recipe, model, model_dir)
+    first_slot = inf.engines + sum(m.engines.engines for m in before)
+    first_gpu = inf.engines * inf.tensor_parallel + sum(m.gpus for m in before)
     specs = []
     for index, port in enumerate(ports):
-        argv = [
-            machine.python,
-            "-m",
-            "backends.inference.serve",
-            str(model_dir),
-            "--host",
-            machine.host,
-            "--port",
-            str(port),
-            "--served-model-name",
-            model.name,
-            "--dtype",
-            auxiliary_dtype(recipe, machine, model),
-            "--max-model-len",
-            str(auxiliary_model_len(recipe, model, model_dir)),
-            "--max-num-seqs",
-            str(inf.max_num_seqs),
-            "--seed",
-            str(recipe.seed + index),
-            "--logprobs-mode",
-            "raw_logprobs",
-            "--generation-config",
-            "vllm",
-            "--disable-uvicorn-access-log",
-        ]
-        env = {"HF_HUB_OFFLINE": "1", "SKYRL_DIE_WITH_PARENT": "1", "VLLM_NO_USAGE_STATS": "1"}
-        if machine.device == "cpu":
-            argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(inf.kv_cache_bytes)]
-            core = machine.engine_cores[
-                (inf.engines + sum(m.engines.engines for m in before) + index) % len(machine.engine_cores)
-            ]
-            env.update(
-                {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"}
-            )
-            if model_in_engine_core(machine, async_mode):
-                argv += ["--distributed-executor-backend", "uni"]
-                env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SKYRL_ENGINE_CORE_START": "fork"})
-            devices: tuple[str, ...] = (f"cpu:{core}",)
-        else:
-            tp, first = aux.tensor_parallel, inf.engines * inf.tensor_parallel + sum(m.gpus for m in before)
-            gpus = machine.engine_gpus[first + index * tp : first + (index + 1) * tp]
-            argv += ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-            devices = tuple(f"cuda:{g}" for g in gpus)
+        seed = recipe.seed + index
+        argv = serve_argv(
+            machine, model_dir, port, model.name, dtype, length, seed, "raw_logprobs", tp, inf, async_mode
+        )
+        env, devices = device_env(machine, first_slot + index, first_gpu + index * tp, tp, async_mode)
         specs.append(
             ProcessSpec(
                 name=auxiliary_engine_name(model, index),
