@@ -228,22 +228,52 @@ def finished_run(run_dir: Path) -> bool:
     return summary.exists() and json.loads(summary.read_text()).get("completed") is True
 
 
-@pytest.fixture(scope="session")
-def shortened_quickstart_sft(tmp_path_factory) -> Path:
-    """The run directory of ``skyrl sft quickstart`` with ``SHORTENED_QUICKSTART``, trained once per
-    test session, also when pytest-xdist splits it over workers (tests read it, never write it)."""
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """``<root>/<name>/run``, made by ``make(run_dir)`` once per test session, also when pytest-xdist
+    splits it over workers (the workers share the parent of their base temp dirs, and wait on a
+    file lock for the one making it); tests read it, never write it."""
     from filelock import FileLock
 
-    from tests.integration.cli_runs import run_skyrl
-
-    # xdist workers share the parent of their base temp dirs; without xdist it is this session's own.
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
     root = shared or tmp_path_factory.getbasetemp()
-    run_dir = root / "quickstart-sft" / "sft"
-    with FileLock(root / "quickstart-sft.lock"):
+    run_dir = root / name / "run"
+    with FileLock(root / f"{name}.lock"):
         if not finished_run(run_dir):
-            run_skyrl("sft", QUICKSTART_RECIPE, "--run-dir", run_dir, "--quiet", *SHORTENED_QUICKSTART, timeout=600)
+            make(run_dir)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def shortened_quickstart_sft(tmp_path_factory) -> Path:
+    """The run directory of ``skyrl sft quickstart`` with ``SHORTENED_QUICKSTART``."""
+    from tests.integration.cli_runs import run_skyrl
+
+    def make(run_dir: Path) -> None:
+        run_skyrl("sft", QUICKSTART_RECIPE, "--run-dir", run_dir, "--quiet", *SHORTENED_QUICKSTART, timeout=600)
+
+    return made_once(tmp_path_factory, "quickstart-sft", make)
+
+
+# Its RL stage: 10 sync steps (4 mini-batches each) from the shortened SFT, a held-out evaluation
+# at step 5 for the curves of `skyrl runs report`.
+SHORTENED_QUICKSTART_RL = ["--set", "rl.steps=10", "--set", "rl.eval_every=5", "--set", "rl.save_every=0"]
+RL_STDOUT = "stdout.txt"
+
+
+@pytest.fixture(scope="session")
+def shortened_quickstart_rl(tmp_path_factory, shortened_quickstart_sft) -> Path:
+    """The run directory of ``skyrl rl quickstart`` (``SHORTENED_QUICKSTART_RL``) from
+    ``shortened_quickstart_sft``, run once per test session; what it printed is in its
+    ``RL_STDOUT``. Shared by the quickstart test and ``skyrl runs``' tests."""
+    from tests.integration.cli_runs import run_skyrl
+
+    def make(run_dir: Path) -> None:
+        init = f"rl.init_from={shortened_quickstart_sft / 'final'}"
+        rl = [*SHORTENED_QUICKSTART, *SHORTENED_QUICKSTART_RL, "--set", init]
+        proc = run_skyrl("rl", QUICKSTART_RECIPE, "--run-dir", run_dir, "--quiet", *rl, timeout=600)
+        (run_dir / RL_STDOUT).write_text(proc.stdout)
+
+    return made_once(tmp_path_factory, "quickstart-rl", make)
 
 
 @pytest.fixture(scope="session")

@@ -13,42 +13,27 @@ import json
 
 import pytest
 
-from tests.integration.cli_runs import REPO, events, run_skyrl
-from tests.integration.conftest import SHORTENED_QUICKSTART
+from tests.integration.cli_runs import events
+from tests.integration.conftest import RL_STDOUT
 
 pytestmark = pytest.mark.integration
 
-SHORTER = SHORTENED_QUICKSTART
-RL = ["--set", "rl.steps=10", "--set", "rl.eval_every=0", "--set", "rl.save_every=0"]
 
-
-def test_shortened_quickstart_rl_raises_held_out_accuracy(tmp_path, shortened_quickstart_sft):
-    recipe = REPO / "recipes" / "quickstart.toml"
-    sft_dir, rl_dir = shortened_quickstart_sft, tmp_path / "rl"
+def test_shortened_quickstart_rl_raises_held_out_accuracy(shortened_quickstart_sft, shortened_quickstart_rl):
+    sft_dir, rl_dir = shortened_quickstart_sft, shortened_quickstart_rl
     sft_accuracy = events(sft_dir, "eval/accuracy")[-1][1]
     assert 0.2 < sft_accuracy < 0.75, f"SFT should have learned the sums and copied the flaw: {sft_accuracy}"
 
-    proc = run_skyrl(
-        "rl",
-        recipe,
-        "--run-dir",
-        rl_dir,
-        "--quiet",
-        *SHORTER,
-        *RL,
-        "--set",
-        f"rl.init_from={sft_dir / 'final'}",
-        timeout=600,
-    )
+    stdout = (rl_dir / RL_STDOUT).read_text()
     summary = json.loads((rl_dir / "summary.json").read_text())
     assert summary["completed"] is True
     assert summary["eval_accuracy_initial"] == pytest.approx(sft_accuracy, abs=0.05)  # engines serve the SFT model
     assert summary["eval_accuracy_final"] >= summary["eval_accuracy_initial"] + 0.10, summary
     # The end of the run, as printed: a short table and one wall time split into what it counts.
-    rows = [line for line in proc.stdout.splitlines() if line.count("│") >= 3]
-    assert 5 <= len(rows) <= 15, proc.stdout
-    assert "train/update" not in proc.stdout and "held-out accuracy" in proc.stdout
+    rows = [line for line in stdout.splitlines() if line.count("│") >= 3]
+    assert 5 <= len(rows) <= 15, stdout
+    assert "train/update" not in stdout and "held-out accuracy" in stdout
     assert 0 < summary["startup_s"] < summary["wall_s"] and summary["training_s"] > 0
-    assert f"{summary['wall_s']:.0f} s (start-up {summary['startup_s']:.0f} s" in proc.stdout
+    assert f"{summary['wall_s']:.0f} s (start-up {summary['startup_s']:.0f} s" in stdout
     clip = [v for _, v in events(rl_dir, "train/update4/clip_frac")]
     assert len(clip) == 10 and max(clip) > 0.0  # four updates a step, and the clip acted

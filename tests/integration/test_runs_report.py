@@ -1,11 +1,13 @@
-"""`skyrl runs` on a real shortened quickstart: one SFT run, then RL from it sync and --async (at the
-same time), listed, compared and reported; the HTML page is opened in headless Chromium, which must
-decode every plot.
+"""`skyrl runs` on a real shortened quickstart: one SFT run, then RL from it sync and --async,
+listed, compared and reported; the HTML page is opened in headless Chromium, which must decode
+every plot.
 
-The shortened quickstart (the session's shared SFT run, copied: 500 steps learn the two-digit sums
-and copy the teacher's flaw), then 8 RL steps sync and --async, so the curves show learning. The
---async run samples its first batches from version 0 while its learner starts (up to
-rl.async.max_staleness ahead), so the check is that some held-out evaluation rose, not the last.
+The SFT run and the sync RL run are the session's shared shortened quickstart (copied: 500 SFT
+steps learn the two-digit sums and copy the teacher's flaw, then 10 sync RL steps,
+``tests/integration/test_quickstart.py``); the --async run here, 8 steps from the same SFT model, so
+the curves show learning. The --async run samples its first batches from version 0 while its
+learner starts (up to rl.async.max_staleness ahead), so the check is that some held-out
+evaluation rose, not the last.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_runs import ENV, REPO, SKYRL, events, run_skyrl
+from tests.integration.cli_runs import REPO, events, run_skyrl
 from tests.integration.conftest import SHORTENED_QUICKSTART
 
 pytestmark = pytest.mark.integration
 
 RECIPE = REPO / "recipes" / "quickstart.toml"
-RL = ["--set", "rl.steps=8", "--set", "rl.eval_every=4", "--set", "rl.save_every=0"]
+ASYNC_RL = ["--set", "rl.steps=8", "--set", "rl.eval_every=4", "--set", "rl.save_every=0", "--async"]
 PANELS = [
     "reward",
     "held-out accuracy",
@@ -40,26 +42,25 @@ PANELS = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shortened_quickstart_sft) -> Path:
-    """runs/sft (a copy of the session's shortened quickstart SFT), then runs/sync and runs/async
-    from its final model, started together."""
+def runs(tmp_path_factory, shortened_quickstart_sft, shortened_quickstart_rl) -> Path:
+    """runs/sft and runs/sync (copies of the session's shortened quickstart), then runs/async from
+    the SFT's final model."""
     root = tmp_path_factory.mktemp("runs")
     shutil.copytree(shortened_quickstart_sft, root / "sft")
-    rl = ["rl", RECIPE, "--quiet", *SHORTENED_QUICKSTART, *RL, "--set", f"rl.init_from={root / 'sft' / 'final'}"]
-    procs = {
-        name: subprocess.Popen(
-            [str(SKYRL), *map(str, rl), "--run-dir", str(root / name), *flags],
-            cwd=REPO,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, flags in (("sync", []), ("async", ["--async"]))
-    }
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"skyrl rl ({name}) failed:\n{out[-3000:]}\n{err[-3000:]}"
+    shutil.copytree(shortened_quickstart_rl, root / "sync")
+    init = f"rl.init_from={root / 'sft' / 'final'}"
+    run_skyrl(
+        "rl",
+        RECIPE,
+        "--quiet",
+        *SHORTENED_QUICKSTART,
+        *ASYNC_RL,
+        "--set",
+        init,
+        "--run-dir",
+        root / "async",
+        timeout=600,
+    )
     return root
 
 
@@ -78,7 +79,7 @@ def test_ls_and_compare(runs):
     assert sorted((Path(r["run"]).name, r["stage"], r["status"], r["steps"]) for r in listed) == [
         ("async", "rl", "done", 8),
         ("sft", "sft", "done", 500),
-        ("sync", "rl", "done", 8),
+        ("sync", "rl", "done", 10),
     ]
     out = runs / "compare.png"
     compared = run_skyrl(
