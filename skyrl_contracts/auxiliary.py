@@ -51,3 +51,13 @@ def auxiliary_models(recipe: Recipe) -> tuple[AuxiliaryModel, ...]:
     if rl.judge is not None:
         found.append(AuxiliaryModel(JUDGE, ("rl", "judge"), "model", rl.judge.model, rl.judge))
     return tuple(found)
+
+
+def auxiliary_engine(model: str, index: int) -> str:
+    """An auxiliary model's engine process: ``teacher-0``, ``teacher-1``, ``judge-0``."""
+    return f"{model}-{index}"
+
+
+def model_of(engine: str) -> str:
+    """The auxiliary model an engine process (``auxiliary_engine``) serves: ``teacher-1`` -> ``teacher``."""
+    return engine.rsplit("-", 1)[0]

@@ -60,13 +60,14 @@ def up(
     kept = " and ".join(p.spec.name for p in pool.warm.values())
     typer.echo(
         f"engine pool {pool.name}: {len(pool.engines)} engine(s) {', '.join(pool.engine_urls)}, router {pool.router_url}"
+        f"{''.join(f', {p.spec.name} {u}' for p, u in zip(pool.auxiliaries, pool.auxiliary_engine_urls))}"
         f"{', ' + kept if kept else ''}, up in {time.monotonic() - started:.0f} s; skyrl rl uses it when it fits "
         f"(skyrl engines down {pool.name} stops it)"
     )
 
 
 def status(json_: common.JsonOpt = False) -> None:
-    """The pools on this machine: engines, router, warm processes, health, the weights they serve, who uses them, since when."""
+    """The pools on this machine: engines (the auxiliary models' too), router, warm processes, health, the weights they serve, who uses them, since when."""
     # lazy: rich; skyrl recipes validate and completions stay light
     from rich.console import Console
     from rich.table import Table
@@ -85,6 +86,10 @@ def status(json_: common.JsonOpt = False) -> None:
                 "engines": [
                     {"url": u, "pid": p.pid, "healthy": health(u), "weight_version": served_version(u)}
                     for u, p in zip(pool.engine_urls, pool.engines)
+                ],
+                "auxiliaries": [
+                    {"name": p.spec.name, "url": u, "pid": p.pid, "healthy": health(u)}
+                    for p, u in zip(pool.auxiliaries, pool.auxiliary_engine_urls)
                 ],
                 "router": {
                     "url": pool.router_url,
@@ -111,7 +116,8 @@ def status(json_: common.JsonOpt = False) -> None:
         table.add_column(column, overflow="fold")
     for row in rows:
         engines = "\n".join(
-            f"{e['url']} {'ok' if e['healthy'] else 'DOWN'} v{e['weight_version']}" for e in row["engines"]
+            [f"{e['url']} {'ok' if e['healthy'] else 'DOWN'} v{e['weight_version']}" for e in row["engines"]]
+            + [f"{a['name']} {a['url']} {'ok' if a['healthy'] else 'DOWN'}" for a in row["auxiliaries"]]
         )
         router = f"{row['router']['url']} {'ok' if row['router']['healthy'] else 'DOWN'}"
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["since"]))

@@ -5,7 +5,7 @@ vLLM on CPU; minutes on GPUs: weights, graph capture).
 A pool lives in ``<pools>/<name>/`` (``SKYRL_POOLS_DIR``, default ``~/.cache/skyrl/pools``):
 
 - ``pool.json``: what ``skyrl engines status`` shows and a run needs: the specs, pids, URLs and logs
-  of the engines and the router, the engines' flags and model shape (what a run must match,
+  of the engines, the auxiliary models' engines (a teacher, a judge) and the router, the engines' flags and model shape (what a run must match,
   ``skyrl_cli.plan.pool``), since when;
 - ``engine-model/``: the model the engines booted from; ``logs/``: their output;
 - ``lock``: held (``flock``) by the run using the pool, so two runs never share one; ``holder.json``
@@ -46,8 +46,16 @@ from backends.inference.weight_sync import (
 from skyrl_cli.engines.standby import Generation, ranks_of, state, wait_warm
 from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, pid_alive
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
-from skyrl_cli.plan.pool import WARM_NAMES, engine_signature, first_difference, model_signature, unpoolable
+from skyrl_cli.plan.pool import (
+    WARM_NAMES,
+    auxiliary_difference,
+    engine_signature,
+    first_difference,
+    model_signature,
+    unpoolable,
+)
 from skyrl_contracts.atomic import write_json
+from skyrl_contracts.auxiliary import model_of
 from skyrl_contracts.errors import LaunchError, UsageError
 from skyrl_contracts.rundir import RunDir
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS
@@ -96,6 +104,9 @@ class Pool:
     engines: list[PoolProcess]
     router: PoolProcess
     router_url: str
+    # The engines of the recipe's auxiliary models (a teacher: teacher-0, ...; a judge: judge-0, ...),
+    # never weight-synced; a run attaches only when they match its own (``fit_problem``).
+    auxiliaries: list[PoolProcess] = field(default_factory=list)
     # The keepers of the pool's warm processes (skyrl_cli.engines.standby), by the role of the run's
     # process each takes over ("trainer", "orchestrator"); a role without one starts its own.
     warm: dict[str, PoolProcess] = field(default_factory=dict)
@@ -104,12 +115,38 @@ class Pool:
     def engine_urls(self) -> list[str]:
         return [p.spec.ready.url.rsplit("/", 1)[0] for p in self.engines]
 
+    def auxiliary_specs(self) -> dict[str, list[ProcessSpec]]:
+        """The auxiliary models' engine specs by model name (``teacher``: [teacher-0, ...])."""
+        models: dict[str, list[ProcessSpec]] = {}
+        for p in self.auxiliaries:
+            models.setdefault(model_of(p.spec.name), []).append(p.spec)
+        return models
+
+    @property
+    def auxiliary_engine_urls(self) -> list[str]:
+        """Each auxiliary engine's URL, in ``auxiliaries``' order."""
+        return [p.spec.ready.url.rsplit("/", 1)[0] for p in self.auxiliaries]
+
+    @property
+    def auxiliary_urls(self) -> dict[str, tuple[str, ...]]:
+        """The auxiliary models' engine URLs by model name, as a run's orchestrator takes them."""
+        urls: dict[str, tuple[str, ...]] = {}
+        for p, url in zip(self.auxiliaries, self.auxiliary_engine_urls):
+            urls[model_of(p.spec.name)] = (*urls.get(model_of(p.spec.name), ()), url)
+        return urls
+
     def attachment(self) -> PoolAttachment:
-        return PoolAttachment(name=self.name, engine_urls=tuple(self.engine_urls), router_url=self.router_url)
+        return PoolAttachment(
+            name=self.name,
+            engine_urls=tuple(self.engine_urls),
+            router_url=self.router_url,
+            auxiliary_urls=self.auxiliary_urls,
+        )
 
     def processes(self) -> list[PoolProcess]:
-        """The engines and the router: what a run adopts and its engine recovery restarts."""
-        return [*self.engines, self.router]
+        """The engines (the policy's, the auxiliary models') and the router: what a run adopts and
+        its engine recovery restarts."""
+        return [*self.engines, *self.auxiliaries, self.router]
 
     def alive(self) -> bool:
         """Some process of the pool still runs (a dead engine is the using run's to restart)."""
@@ -137,6 +174,7 @@ class Pool:
             "engines": [proc(p) for p in self.engines],
             "router": proc(self.router),
             "router_url": self.router_url,
+            "auxiliaries": [proc(p) for p in self.auxiliaries],
             "warm": {role: proc(p) for role, p in self.warm.items()},
         }
 
@@ -159,6 +197,7 @@ class Pool:
             engines=[proc(d) for d in raw["engines"]],
             router=proc(raw["router"]),
             router_url=raw["router_url"],
+            auxiliaries=[proc(d) for d in raw.get("auxiliaries", [])],
             warm={role: proc(d) for role, d in raw.get("warm", {}).items()},
         )
 
@@ -212,6 +251,7 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
     path = Path(plan.run_dir)
     setup = [p for p in plan.processes if p.kind == "setup"]
     engines = [p for p in plan.processes if p.role == "engine"]
+    auxiliaries = [p for p in plan.processes if p.role == "auxiliary"]
     (router,) = [p for p in plan.processes if p.role == "router"]
     keepers = [p for p in plan.processes if p.role in WARM_NAMES]
     with Supervisor(path) as supervisor:
@@ -220,7 +260,8 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
                 supervisor.start(spec)
                 supervisor.wait_jobs([spec.name])
             started = [supervisor.start(spec, detached=True) for spec in engines]
-            supervisor.wait_ready([p.spec.name for p in started])
+            started_auxiliaries = [supervisor.start(spec, detached=True) for spec in auxiliaries]
+            supervisor.wait_ready([p.spec.name for p in (*started, *started_auxiliaries)])
             run_blocking(set_weight_version(list(plan.engine_urls), "0"))
             router_proc = supervisor.start(router, detached=True)
             supervisor.wait_ready([router.name])
@@ -243,6 +284,7 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
         engines=[PoolProcess(p.spec, p.popen.pid, str(p.log_path)) for p in started],
         router=PoolProcess(router_proc.spec, router_proc.popen.pid, str(router_proc.log_path)),
         router_url=plan.router_url or "",
+        auxiliaries=[PoolProcess(p.spec, p.popen.pid, str(p.log_path)) for p in started_auxiliaries],
         warm=warm,
     )
     pool.write()
@@ -356,11 +398,6 @@ def fit_problem(pool: Pool, run_plan: LaunchPlan, engines_needed: int, init_mode
     why = unpoolable(run_plan.weight_sync or DEFAULT_TRANSPORT)
     if why:
         return why
-    if run_plan.auxiliary_urls:
-        served = " and ".join(run_plan.auxiliary_urls)
-        return (
-            f"the run serves a {served} on engines of its own (rl.distillation, rl.judge), which a pool does not hold"
-        )
     if not pool.alive():
         return "its processes have all exited (skyrl engines down, then up again)"
     if pool.weight_sync != run_plan.weight_sync:
@@ -375,6 +412,13 @@ def fit_problem(pool: Pool, run_plan: LaunchPlan, engines_needed: int, init_mode
         difference = first_difference(engine_signature(pool.engines[0].spec), engine_signature(own[0]))
         if difference:
             return f"engines started with other settings ({difference})"
+    run_auxiliaries: dict[str, list[ProcessSpec]] = {}
+    for spec in run_plan.processes:
+        if spec.role == "auxiliary":
+            run_auxiliaries.setdefault(model_of(spec.name), []).append(spec)
+    difference = auxiliary_difference(pool.auxiliary_specs(), run_auxiliaries)
+    if difference:
+        return difference
     if (init_model / "config.json").is_file():
         difference = first_difference(pool.model_signature, model_signature(init_model))
         if difference:
@@ -415,8 +459,9 @@ def choose_pool(
 
 
 def adopt(supervisor: Supervisor, pool: Pool) -> tuple[list[str], str]:
-    """Put the pool's processes under the run's supervisor (watched, restarted, not torn down);
-    a restart is written back to ``pool.json``. Returns (engine names, router name)."""
+    """Put the pool's processes (its auxiliary models' engines too) under the run's supervisor
+    (watched, restarted, not torn down); a restart is written back to ``pool.json``. Returns (the
+    policy's engine names, router name)."""
 
     def follow(proc: ManagedProcess) -> None:
         for entry in pool.processes():

@@ -19,6 +19,15 @@ restarted with the same spec (same port, every engine in its worker list), engin
 are taken out again, and rollouts, which retry, go on through it. ``gave_up()`` says when the router
 or every local engine has died more than ``max_restarts`` times: the run cannot go on then.
 
+The engines of the auxiliary models (``auxiliaries``: a teacher's ``teacher-<i>``, a judge's
+``judge-<i>``; ``skyrl_contracts.auxiliary``) are watched the same way and restarted with the same
+spec, but they are behind no router and hold no policy weights: nothing is removed, loaded or
+added. The orchestrator's requests to them wait out the restart
+(``backends.rollout.auxiliary.OUTAGE_S``). Their restarts count in ``engine/restarts`` (all
+restarts of engines) and ``auxiliary/restarts`` (theirs alone), with ``timing/engine_recovery_s``.
+``gave_up()`` also says when an auxiliary model has no engine left (each of them died
+``max_restarts`` times): its requests could never be answered.
+
 Remote engines (``inference.urls``) cannot be restarted from here: they are removed while their
 health fails and brought up to date and added back when it passes again.
 
@@ -41,6 +50,7 @@ import httpx
 from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
 from skyrl_cli.engines.router import RouterAdmin
 from skyrl_cli.launch.supervisor import Supervisor
+from skyrl_contracts.auxiliary import model_of
 from skyrl_contracts.events import EventWriter
 
 log = logging.getLogger(__name__)
@@ -62,10 +72,12 @@ class EngineRecovery:
         writer: EventWriter | None = None,
         step_fn: Callable[[], int] = lambda: 0,
         router_name: str | None = None,
+        auxiliaries: Mapping[str, str] | None = None,
     ):
         self.supervisor = supervisor
         self.router_name = router_name
         self.engines = dict(engines)  # process name -> url
+        self.auxiliaries = dict(auxiliaries or {})  # process name (<model>-<i>) -> url
         self.remote_urls = [u.rstrip("/") for u in remote_urls]
         self.router = RouterAdmin(router_url)
         self.run_dir = run_dir
@@ -110,6 +122,13 @@ class EngineRecovery:
                 continue
             if self._recover_local(name, url):
                 recovered.append(name)
+        for name, url in self.auxiliaries.items():
+            if self._stop.is_set():
+                break
+            if self.restarts.get(name, 0) >= self.max_restarts or not self._dead(name, url):
+                continue
+            if self._recover_auxiliary(name, url):
+                recovered.append(name)
         for url in self.remote_urls:
             self._check_remote(url)
         return recovered
@@ -150,7 +169,36 @@ class EngineRecovery:
         if self.writer is not None:
             self.writer.log(
                 self.step_fn(),
-                {"engine/restarts": float(sum(self.restarts.values())), "timing/engine_recovery_s": seconds},
+                {"engine/restarts": self._engine_restarts(), "timing/engine_recovery_s": seconds},
+            )
+        return True
+
+    def _engine_restarts(self) -> float:
+        """``engine/restarts``: the run's restarts of engines, the policy's and the auxiliary models'."""
+        return float(sum(count for name, count in self.restarts.items() if name != self.router_name))
+
+    def _recover_auxiliary(self, name: str, url: str) -> bool:
+        """An auxiliary model's engine: restarted and waited ready; no router, no weights."""
+        started = time.monotonic()
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        log.warning("auxiliary engine %s (%s) is down; restarting (restart %d)", name, url, self.restarts[name])
+        try:
+            self.supervisor.restart(name)
+            self.supervisor.wait_ready([name], timeout_s=self.ready_timeout_s)
+        except Exception as err:  # noqa: BLE001 - try again at the next pass
+            log.error("recovery of %s failed: %s", name, err)
+            return False
+        self._failures[name] = 0
+        seconds = time.monotonic() - started
+        log.warning("auxiliary engine %s is back after %.1f s", name, seconds)
+        if self.writer is not None:
+            self.writer.log(
+                self.step_fn(),
+                {
+                    "engine/restarts": self._engine_restarts(),
+                    "auxiliary/restarts": float(sum(self.restarts.get(n, 0) for n in self.auxiliaries)),
+                    "timing/engine_recovery_s": seconds,
+                },
             )
         return True
 
@@ -185,17 +233,23 @@ class EngineRecovery:
         return True
 
     def gave_up(self) -> str | None:
-        """Why the run cannot go on (the router, or every local engine, is down and was restarted
-        ``max_restarts`` times already); None while it can."""
+        """Why the run cannot go on (the router, every local engine, or every engine of one
+        auxiliary model is down and was restarted ``max_restarts`` times already); None while it can."""
         poll = self.supervisor.poll()
         exhausted = [
             n
-            for n in (self.router_name, *self.engines)
+            for n in (self.router_name, *self.engines, *self.auxiliaries)
             if n is not None and poll.get(n) is not None and self.restarts.get(n, 0) >= self.max_restarts
         ]
-        if self.router_name in exhausted or (self.engines and set(self.engines) <= set(exhausted)):
-            logs = ", ".join(str(self.supervisor.processes[n].log_path) for n in exhausted)
-            return f"{', '.join(exhausted)} died after {self.max_restarts} restarts; log: {logs}"
+        lost = [self.router_name] if self.router_name in exhausted else []
+        if self.engines and set(self.engines) <= set(exhausted):
+            lost += list(self.engines)
+        for names in auxiliary_models(self.auxiliaries).values():
+            if set(names) <= set(exhausted):
+                lost += names
+        if lost:
+            logs = ", ".join(str(self.supervisor.processes[n].log_path) for n in lost)
+            return f"{', '.join(lost)} died after {self.max_restarts} restarts; log: {logs}"
         return None
 
     def _check_remote(self, url: str) -> None:
@@ -232,3 +286,11 @@ class EngineRecovery:
             self._thread.join(timeout=timeout_s)
         self._http.close()
         self.router.close()
+
+
+def auxiliary_models(names) -> dict[str, list[str]]:
+    """Auxiliary engine process names by their model: ``teacher-0``, ``teacher-1`` -> ``teacher``."""
+    models: dict[str, list[str]] = {}
+    for name in names:
+        models.setdefault(model_of(name), []).append(name)
+    return models

@@ -19,8 +19,8 @@ resumes), and only then does the router start, so it never sees an unready worke
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
 
 from backends.inference.weight_sync import bring_up_to_date, read_current_weights, run_blocking
 from skyrl_cli.engines.metrics import MetricsScraper
@@ -37,6 +37,7 @@ class InferenceStack:
     engine_names: list[str]
     engine_urls: list[str]  # local engines, then remote ones
     router_url: str
+    auxiliaries: dict[str, str] = field(default_factory=dict)  # auxiliary engine process name -> url
     recovery: EngineRecovery | None = None
     scraper: MetricsScraper | None = None
 
@@ -103,7 +104,7 @@ def launch_inference(
     run_blocking(bring_up_to_date(list(engine_urls), read_current_weights(run_dir)))
     supervisor.start(router_spec)
     supervisor.wait_ready([router_spec.name])
-    stack = InferenceStack(names, list(engine_urls), router_url.rstrip("/"))
+    stack = InferenceStack(names, list(engine_urls), router_url.rstrip("/"), auxiliary_urls(auxiliaries))
     return watch(stack, supervisor, run_dir, router_spec.name, writer, step_fn, recover, metrics_period_s)
 
 
@@ -126,6 +127,11 @@ def attach_inference(
         run_blocking(bring_up_to_date(list(remote_urls), read_current_weights(run_dir)))
     stack = InferenceStack(names, [*pool.engine_urls, *remote_urls], pool.router_url)
     return watch(stack, supervisor, run_dir, router_name, writer, step_fn, recover, metrics_period_s)
+
+
+def auxiliary_urls(specs: Iterable[ProcessSpec]) -> dict[str, str]:
+    """Auxiliary engines' process names -> their URLs (where their readiness check asks)."""
+    return {spec.name: spec.ready.url.rsplit("/", 1)[0] for spec in specs}
 
 
 def watch(
@@ -151,6 +157,7 @@ def watch(
             writer=writer,
             step_fn=step_fn,
             router_name=router_name,
+            auxiliaries=stack.auxiliaries,
         ).start()
     if writer is not None and metrics_period_s:
         stack.scraper = MetricsScraper(stack.engine_urls, writer, stack.router_url, metrics_period_s, step_fn).start()

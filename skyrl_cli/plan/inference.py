@@ -54,7 +54,7 @@ from typing import Literal, Sequence
 from skyrl_cli.plan.machine import cpu_has_native_bf16
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_cli.recipe.lengths import config_positions, with_model_lengths
-from skyrl_contracts.auxiliary import TEACHER, AuxiliaryModel
+from skyrl_contracts.auxiliary import TEACHER, AuxiliaryModel, auxiliary_engine
 from skyrl_contracts.engine_api import SERVED_MODEL_NAME
 from skyrl_contracts.schema import Recipe, RouterConfig, SpeculativeConfig
 from skyrl_contracts.transports import DEFAULT_TRANSPORT, TRANSPORTS, WORKER_EXTENSION
@@ -317,7 +317,7 @@ def engine_specs(
 
 
 def auxiliary_engine_name(model: AuxiliaryModel, index: int) -> str:
-    return f"{model.name}-{index}"
+    return auxiliary_engine(model.name, index)
 
 
 def auxiliary_dtype(recipe: Recipe, machine: Machine, model: AuxiliaryModel) -> str:

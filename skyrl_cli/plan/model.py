@@ -105,3 +105,6 @@ class PoolAttachment(Frozen):
     name: str
     engine_urls: tuple[str, ...]
     router_url: str
+    # The pool's auxiliary models' engines (a teacher, a judge), by model name: the run's orchestrator
+    # talks to them; the run starts none of its own.
+    auxiliary_urls: dict[str, tuple[str, ...]] = Field(default_factory=dict)

@@ -1,8 +1,8 @@
 """An engine pool's plan (``skyrl engines up``): the recipe's RL engines and router, to outlive the
 command, and what a later run must match to use them.
 
-A pool is the inference half of an RL plan (``skyrl_cli.plan.rl``): the same engine and router
-specs, built by the same functions from the same recipe, with the pool's folder in place of a run
+A pool is the inference half of an RL plan (``skyrl_cli.plan.rl``): the same engine, router and
+auxiliary-model engine specs (a teacher, a judge: served as they are, never weight-synced), built by the same functions from the same recipe, with the pool's folder in place of a run
 directory. The engines start from ``<pool>/engine-model`` (the recipe's initial policy, served
 untied); a run that attaches loads its own initial weights into them, so the pool fits any run
 whose engines would have been started with the same flags (``engine_signature``) on a model of
@@ -19,16 +19,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from skyrl_cli.plan.inference import engine_specs, engine_url, router_spec
+from skyrl_cli.plan.inference import auxiliary_engine_specs, engine_specs, engine_url, router_spec
 from skyrl_cli.plan.machine import MachineFacts
 from skyrl_cli.plan.model import LaunchPlan, ProcessSpec
 from skyrl_cli.plan.rl import ORCHESTRATOR_ENV, engine_model_setup, inference_machine, init_model_dir, rl_weight_sync
 from skyrl_cli.plan.trainer import trainer_device, trainer_resources, trainer_spec
+from skyrl_contracts.auxiliary import auxiliary_models
 from skyrl_contracts.errors import UsageError
 from skyrl_contracts.schema import Recipe
 from skyrl_contracts.transports import TRANSPORTS
 
 POOL_STAGE = "pool"
+SERVE_MODULE = "backends.inference.serve"
 STANDBY_MODULE = "backends.standby"
 KEEPER_MODULE = "skyrl_cli.engines.keeper"
 # The pool's warm processes: keeper name (its folder and log in the pool) per role of a run's process.
@@ -50,7 +52,8 @@ def unpoolable(weight_sync: str) -> str | None:
 def plan_pool(
     recipe: Recipe, pool_dir: Path, machine: MachineFacts, async_mode: bool = False, warm: bool = True
 ) -> LaunchPlan:
-    """The setup job, engines and router of a pool in ``pool_dir``, for ``recipe``'s RL stage, and
+    """The setup job, engines and router of a pool in ``pool_dir``, for ``recipe``'s RL stage, the
+    engines of its auxiliary models (``[rl.distillation]``'s teacher, ``[rl.judge]``), and
     with ``warm`` the keepers of its warm learner and orchestrator (``warm_keeper_specs``)."""
     if recipe.rl is None:
         raise UsageError("skyrl engines up: the recipe has no [rl] section (a pool serves RL runs)")
@@ -65,8 +68,10 @@ def plan_pool(
         raise UsageError(f"rl.init_from: no model at {init_from} (the engines start from it; run skyrl sft first)")
     inf = recipe.inference
     inf_machine = inference_machine(recipe, machine, trainer_device(recipe, machine))
-    ports = machine.free_ports(inf.engines + 2)
-    engine_ports, (router_port, prometheus_port) = ports[: inf.engines], ports[inf.engines :]
+    models = auxiliary_models(recipe)
+    ports = machine.free_ports(inf.engines + 2 + sum(m.engines.engines for m in models))
+    engine_ports, (router_port, prometheus_port) = ports[: inf.engines], ports[inf.engines : inf.engines + 2]
+    auxiliary_ports = iter(ports[inf.engines + 2 :])
     router_port = inf.router.port or router_port
     setup, served = engine_model_setup(weight_sync, pool_dir, init_from, machine)
     engines = [
@@ -74,6 +79,14 @@ def plan_pool(
     ]
     urls = [engine_url(inf_machine, p) for p in engine_ports]
     router = router_spec(recipe, inf_machine, urls, router_port, prometheus_port)
+    auxiliary, auxiliary_urls = [], {}
+    for index, model in enumerate(models):  # as plan_rl places them: the same cores or GPUs
+        own = [next(auxiliary_ports) for _ in range(model.engines.engines)]
+        specs = auxiliary_engine_specs(
+            recipe, inf_machine, model, own, model.model, before=models[:index], async_mode=async_mode
+        )
+        auxiliary += [detach(spec) for spec in specs]
+        auxiliary_urls[model.name] = tuple(engine_url(inf_machine, port) for port in own)
     keepers = warm_keeper_specs(recipe, pool_dir, machine) if warm else ()
     return LaunchPlan(
         stage=POOL_STAGE,
@@ -82,7 +95,8 @@ def plan_pool(
         async_mode=async_mode,
         engine_urls=tuple(urls),
         router_url=engine_url(inf_machine, router_port),
-        processes=(*setup, *engines, router, *keepers),
+        auxiliary_urls=auxiliary_urls,
+        processes=(*setup, *engines, *auxiliary, router, *keepers),
         weight_sync=weight_sync,
     )
 
@@ -148,7 +162,7 @@ def engine_signature(spec: ProcessSpec) -> dict[str, Any]:
         elif word in _PER_LAUNCH_FLAGS:
             masked.append(word)
             skip = True
-        elif i > 0 and argv[i - 1] == "backends.inference.serve":
+        elif i > 0 and argv[i - 1] == SERVE_MODULE:
             masked.append("<model>")  # the positional model directory
         else:
             masked.append(word)
@@ -197,3 +211,30 @@ def _flag_pairs(a: list[str], b: list[str]) -> list[tuple[str, str | None, str |
 
     left, right = options(a), options(b)
     return [(k, left.get(k), right.get(k)) for k in sorted(set(left) | set(right))]
+
+
+def served_model(spec: ProcessSpec) -> str:
+    """The model directory an engine serves (the positional argument after the serve module)."""
+    argv = list(spec.argv)
+    return argv[argv.index(SERVE_MODULE) + 1]
+
+
+def auxiliary_difference(pool: dict[str, list[ProcessSpec]], run: dict[str, list[ProcessSpec]]) -> str | None:
+    """The first difference between a pool's auxiliary models and a run's (each: model name -> its
+    engines' specs): a model only one of them serves, fewer engines in the pool, another model
+    directory, other engine settings; None when the pool serves the run's."""
+    for name in sorted(set(pool) | set(run)):
+        if name not in pool:
+            return f"the run serves a {name} and the pool does not (skyrl engines up on a recipe with it starts one)"
+        if name not in run:
+            return f"the pool serves a {name} and the run does not"
+        mine, theirs = pool[name], run[name]
+        if len(mine) < len(theirs):
+            return f"{name} engines: pool {len(mine)}, this run {len(theirs)}"
+        a, b = served_model(mine[0]), served_model(theirs[0])
+        if Path(a).resolve() != Path(b).resolve():
+            return f"{name} model: pool {a}, this run {b}"
+        difference = first_difference(engine_signature(mine[0]), engine_signature(theirs[0]))
+        if difference:
+            return f"{name} engines started with other settings ({difference})"
+    return None

@@ -176,9 +176,9 @@ def plan_rl(
     remote_urls: Sequence[str] = (),
     nccl_host: str | None = None,
 ) -> LaunchPlan:
-    """``pool``: use a running engine pool's engines and router (``skyrl engines up``) instead of
-    starting them; the setup job still makes the model this run loads into them. Across nodes
-    (``skyrl_cli.plan.nodes.plan_node``, node 0): ``remote_urls`` are the other nodes' engines,
+    """``pool``: use a running engine pool's engines, router and auxiliary models' engines (``skyrl
+    engines up``) instead of starting them; the setup job still makes the model this run loads into
+    them. Across nodes (``skyrl_cli.plan.nodes.plan_node``, node 0): ``remote_urls`` are the other nodes' engines,
     used like ``inference.urls``, and ``nccl_host`` the address the NCCL group opens on."""
     if recipe.rl is None:
         raise UsageError("the recipe has no [rl] section")
@@ -209,6 +209,8 @@ def plan_rl(
         urls = [*pool.engine_urls, *(u.rstrip("/") for u in inf.urls)]
         inference, router_url = (), pool.router_url
     auxiliary, auxiliary_urls = [], {}
+    if pool is not None:  # the pool's auxiliary models' engines (skyrl_cli.engines.pool.fit_problem: they match)
+        auxiliaries, auxiliary_urls = (), dict(pool.auxiliary_urls)
     for index, model in enumerate(auxiliaries):
         own = [next(auxiliary_ports) for _ in range(model.engines.engines)]
         auxiliary += auxiliary_engine_specs(

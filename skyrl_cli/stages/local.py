@@ -256,9 +256,9 @@ def run_jobs(supervisor, plan, stack, run, progress, watch=None, pool=None) -> N
     jobs = [p.name for p in (*order.beside_engines, *order.after_router) if p.kind == "job"]
     for spec in order.after_router:
         start_on_pool(supervisor, spec, pool)
-    # Engines and the router that die come back (stack.recovery); without it the router may not die.
-    # An auxiliary model's engines (a teacher, a judge) are not recovered: one that dies ends the run.
-    fatal = [p.name for p in plan.processes if p.role == "auxiliary"]
+    # Engines (the policy's and the auxiliary models': a teacher, a judge) and the router that die
+    # come back (stack.recovery); without it neither the router nor an auxiliary engine may die.
+    fatal = []
     if stack.recovery is None:
-        fatal += [p.name for p in plan.processes if p.role == "router"]
+        fatal = [p.name for p in plan.processes if p.role in ("router", "auxiliary")]
     supervisor.wait_jobs(jobs, on_tick=tick, fatal_services=fatal)

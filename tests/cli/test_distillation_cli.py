@@ -1,16 +1,12 @@
 """``rl.distillation`` from the command line: the teacher's engines in ``skyrl rl --dry-run``, a
-teacher of another vocabulary refused by ``skyrl recipes validate``, and no engine pool for a run
-with a teacher."""
+teacher of another vocabulary refused by ``skyrl recipes validate``, and the teacher's engines in an
+engine pool's plan (``skyrl engines up --dry-run``)."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
-from skyrl_cli.engines.pool import fit_problem
-from skyrl_cli.plan.build import build_plan
-from skyrl_cli.plan.machine import MachineFacts
-from tests.unit.test_distillation import VOCAB, model_dir, recipe
+from tests.unit.test_distillation import VOCAB, model_dir
 
 
 def write(tmp_path, teacher_vocab=VOCAB, extra=""):
@@ -51,9 +47,11 @@ def test_validate_refuses_a_teacher_with_another_vocabulary(skyrl, tmp_path):
     assert str(tmp_path / "student") in result.err and str(tmp_path / "teacher") in result.err
 
 
-def test_no_engine_pool_serves_a_run_with_a_teacher(tmp_path):
-    plan = build_plan(recipe({}), "rl", tmp_path, machine=MachineFacts(cpu_cores=(0, 1)))
-    why = fit_problem(SimpleNamespace(), plan, 1, tmp_path / "none")
-    assert (
-        why == "the run serves a teacher on engines of its own (rl.distillation, rl.judge), which a pool does not hold"
-    )
+def test_an_engine_pool_of_the_recipe_holds_the_teachers_engines(skyrl, tmp_path):
+    result = skyrl("engines", "up", write(tmp_path), "--dry-run", "--json", "--no-warm")
+    assert result.code == 0, result.err
+    plan = json.loads(result.out)
+    teachers = [p for p in plan["processes"] if p["role"] == "auxiliary"]
+    assert [p["name"] for p in teachers] == ["teacher-0", "teacher-1"]
+    assert all("SKYRL_DIE_WITH_PARENT" not in p["env"] for p in teachers)  # they outlive the command
+    assert len(plan["auxiliary_urls"]["teacher"]) == 2

@@ -35,13 +35,13 @@ def write_model(path: Path, **config) -> Path:
     return path
 
 
-def recipe(init_from: Path, **inference) -> Recipe:
+def recipe(init_from: Path, rl: dict | None = None, **inference) -> Recipe:
     return Recipe.model_validate(
         {
             "name": "t",
             "model": {"init": {}, "tokenizer": "char"},
             "data": {"task": "addition"},
-            "rl": {"init_from": str(init_from)},
+            "rl": {"init_from": str(init_from), **(rl or {})},
             "inference": {"engines": 1, **inference},
         }
     )
@@ -49,6 +49,7 @@ def recipe(init_from: Path, **inference) -> Recipe:
 
 def pool_from(plan, path: Path, model: Path, alive_pid: int) -> Pool:
     engines = [p for p in plan.processes if p.role == "engine"]
+    auxiliaries = [p for p in plan.processes if p.role == "auxiliary"]
     (router,) = [p for p in plan.processes if p.role == "router"]
     return Pool(
         name=path.name,
@@ -62,6 +63,7 @@ def pool_from(plan, path: Path, model: Path, alive_pid: int) -> Pool:
         engines=[PoolProcess(e, alive_pid, "log") for e in engines],
         router=PoolProcess(router, alive_pid, "log"),
         router_url=plan.router_url,
+        auxiliaries=[PoolProcess(a, alive_pid, "log") for a in auxiliaries],
     )
 
 
@@ -164,3 +166,82 @@ def test_the_lease_refuses_a_second_holder_and_frees_on_exit(tmp_path):
     assert pool.holder() is None
     with leased(pool, tmp_path / "run-b"):
         pass
+
+
+# ------------------------------------------------------------------------ auxiliary models
+
+
+def teacher_recipe(model: Path, teacher: Path | None, **distillation) -> Recipe:
+    rl = {} if teacher is None else {"distillation": {"teacher": str(teacher), **distillation}}
+    return recipe(model, rl)
+
+
+def test_a_pool_of_a_recipe_with_a_teacher_holds_the_teachers_engines_detached(tmp_path):
+    model, teacher = write_model(tmp_path / "m"), write_model(tmp_path / "teacher")
+    r = teacher_recipe(model, teacher, engines=2)
+    pool_plan = plan_pool(r, tmp_path / "pool", CPU2, warm=False)
+    assert [(p.role, p.name) for p in pool_plan.processes if p.role in ("engine", "auxiliary")] == [
+        ("engine", "engine-0"),
+        ("auxiliary", "teacher-0"),
+        ("auxiliary", "teacher-1"),
+    ]
+    run_plan = build_plan(r, "rl", tmp_path / "run", machine=CPU2)
+    own = [p for p in run_plan.processes if p.role == "auxiliary"]
+    for pooled, mine in zip([p for p in pool_plan.processes if p.role == "auxiliary"], own):
+        assert "SKYRL_DIE_WITH_PARENT" not in pooled.env
+        assert engine_signature(pooled) == engine_signature(mine)  # placed and started as the run's own
+        assert pooled.argv[pooled.argv.index("backends.inference.serve") + 1] == str(teacher)
+    assert list(pool_plan.auxiliary_urls) == ["teacher"] and len(pool_plan.auxiliary_urls["teacher"]) == 2
+
+
+def test_pool_json_records_the_auxiliary_engines_and_a_run_takes_their_urls_from_it(tmp_path):
+    model, teacher = write_model(tmp_path / "m"), write_model(tmp_path / "teacher")
+    r = teacher_recipe(model, teacher)
+    path = tmp_path / "pool"
+    path.mkdir()
+    pool = pool_from(plan_pool(r, path, CPU2, warm=False), path, model, os.getpid())
+    pool.write()
+    raw = json.loads((path / "pool.json").read_text())
+    assert [a["spec"]["name"] for a in raw["auxiliaries"]] == ["teacher-0"]
+    again = Pool.read(path)
+    assert [p.spec for p in again.auxiliaries] == [p.spec for p in pool.auxiliaries]
+    assert [p.spec.name for p in again.processes()] == ["engine-0", "teacher-0", "router"]  # adopted, restarted
+    (url,) = again.auxiliary_engine_urls
+    assert again.auxiliary_urls == {"teacher": (url,)}
+    plan = build_plan(r, "rl", tmp_path / "run", machine=CPU2, pool=again.attachment())
+    assert [p.role for p in plan.processes] == ["setup", "orchestrator", "trainer"]  # no teacher of its own
+    assert plan.auxiliary_urls == {"teacher": (url,)}
+    (orchestrator,) = [p for p in plan.processes if p.role == "orchestrator"]
+    argv = list(orchestrator.argv)
+    assert argv[argv.index("--auxiliary-urls") + 1] == f"teacher={url}"
+    # A pool.json from before auxiliary models were pooled reads as a pool without them.
+    del raw["auxiliaries"]
+    (path / "pool.json").write_text(json.dumps(raw))
+    assert Pool.read(path).auxiliaries == [] and Pool.read(path).auxiliary_urls == {}
+
+
+def test_a_run_attaches_only_to_a_pool_serving_its_auxiliary_models(tmp_path):
+    model, teacher = write_model(tmp_path / "m"), write_model(tmp_path / "teacher")
+    other = write_model(tmp_path / "other-teacher")
+    with_teacher = pool_from(
+        plan_pool(teacher_recipe(model, teacher), tmp_path / "p1", CPU2), tmp_path / "p1", model, os.getpid()
+    )
+    without = pool_from(plan_pool(recipe(model), tmp_path / "p2", CPU2), tmp_path / "p2", model, os.getpid())
+
+    def why(pool: Pool, r: Recipe) -> str | None:
+        return fit_problem(pool, build_plan(r, "rl", tmp_path / "run", machine=CPU2), 1, model)
+
+    assert why(with_teacher, teacher_recipe(model, teacher)) is None
+    assert why(without, teacher_recipe(model, teacher)) == (
+        "the run serves a teacher and the pool does not (skyrl engines up on a recipe with it starts one)"
+    )
+    assert why(with_teacher, recipe(model)) == "the pool serves a teacher and the run does not"
+    assert why(with_teacher, teacher_recipe(model, teacher, engines=2)) == "teacher engines: pool 1, this run 2"
+    assert why(with_teacher, teacher_recipe(model, other)) == f"teacher model: pool {teacher}, this run {other}"
+    assert why(with_teacher, teacher_recipe(model, teacher, dtype="bfloat16")) == (
+        "teacher engines started with other settings (--dtype: pool float32, this run bfloat16)"
+    )
+    judge = {"judge": {"model": str(teacher)}}
+    assert why(with_teacher, recipe(model, {"distillation": {"teacher": str(teacher)}, **judge})).startswith(
+        "the run serves a judge and the pool does not"
+    )
