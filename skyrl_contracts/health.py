@@ -1,4 +1,5 @@
-"""Run health: the trainer-vs-engine logprob gap that numerics alone cannot explain.
+"""Run health: the trainer-vs-engine logprob gap that numerics alone cannot explain, and a judge
+(``rl.judge``) whose replies mostly give no verdict.
 
 On its own samples of the current version (every sample of a sync step; in ``--async`` only steps
 whose whole batch is on-policy), the learner's logprobs and the engines' differ only by arithmetic:
@@ -95,3 +96,38 @@ def sync_gap_health(events: Iterable[MetricEvent]) -> dict[str, Any] | None:
         "sync_gap_bound": bound,
         "message": sync_gap_message(first.step, first.value, bound),
     }
+
+
+# A judge that gives no verdict for most replies (its template or verdict parser does not fit the
+# model) trains the policy on zeros: the run ends with a warning above this share.
+JUDGE_NO_VERDICT_SHARE = 0.5
+
+
+def judge_health(metrics: Mapping[str, float]) -> dict[str, Any] | None:
+    """``health`` entries when most of the judge's replies gave no verdict (unparsed, or the request
+    failed); None without a judge or when most did."""
+    unparsed, errors = metrics.get("judge/unparsed", 0.0), metrics.get("judge/errors", 0.0)
+    total = metrics.get("judge/verdicts", 0.0) + unparsed + errors
+    if not total or (unparsed + errors) / total <= JUDGE_NO_VERDICT_SHARE:
+        return None
+    share = (unparsed + errors) / total
+    return {
+        "judge_no_verdict_share": share,
+        "message": (
+            f"the judge gave no verdict for {unparsed + errors:.0f} of {total:.0f} replies ({share:.0%}: "
+            f"{unparsed:.0f} unparsed, {errors:.0f} failed), each a reward of 0: see judge_verdicts.jsonl "
+            "and check rl.judge.template and rl.judge.verdict against what the judge writes"
+        ),
+    }
+
+
+def run_health(events: Iterable[MetricEvent], metrics: Mapping[str, float]) -> dict[str, Any] | None:
+    """``summary.json``'s ``health``: every check that fired, their messages joined; None when none did."""
+    fired = [h for h in (sync_gap_health(events), judge_health(metrics)) if h is not None]
+    if not fired:
+        return None
+    merged: dict[str, Any] = {}
+    for health in fired:
+        merged.update(health)
+    merged["message"] = "; ".join(h["message"] for h in fired)
+    return merged

@@ -5,6 +5,7 @@
  "metrics": {"eval/accuracy": 0.86, "train/loss": 0.02, ...},          # last value of each
  "throughput": {"train/tokens_per_s": {"mean": 50123.0, "last": 51010.0}, ...},   # every */..._per_s
  "health": {"sync_gap_steps_over_bound": 3, ..., "message": "..."},   # only when a check fired
+                                                                       # (skyrl_contracts.health.run_health)
  "speculative": {"method": "ngram", "num_speculative_tokens": 3,       # when the engines speculate
                  "drafts": 412, "draft_tokens": 1236, "accepted_tokens": 830,
                  "acceptance_rate": 0.67, "mean_accepted_length": 3.01},
@@ -19,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.events import MetricEvent, iter_events, last_values
-from skyrl_contracts.health import sync_gap_health
+from skyrl_contracts.health import run_health
 from skyrl_contracts.rundir import RunDir
 
 
@@ -39,7 +40,7 @@ def summarize(events: Iterable[MetricEvent]) -> dict[str, Any]:
         "metrics": last_values(events),
         "throughput": {name: {"mean": sum(v) / len(v), "last": v[-1]} for name, v in sorted(per_second.items())},
     }
-    health = sync_gap_health(events)
+    health = run_health(events, summary["metrics"])
     if health is not None:
         summary["health"] = health
     speculative = speculative_figures(summary["metrics"])

@@ -153,6 +153,9 @@ def test_judge_verdicts_are_recorded_counted_and_are_the_rewards(second_model_ru
     assert events(run_dir, "judge/verdicts")[-1][1] == parsed
     errors = [json.loads(line) for line in (run_dir / "sample_errors.jsonl").read_text().splitlines()]
     assert sum("UnparsedVerdict" in e["error"] for e in errors) == unparsed
+    # the run ends with a warning where most replies gave no verdict (skyrl_contracts.health)
+    health = json.loads((run_dir / "summary.json").read_text()).get("health", {})
+    assert ("judge_no_verdict_share" in health) == (unparsed > parsed), health
 
     # the learner trained on the judge's verdicts (0 where the reply was unparsed)
     verdicts = {r["prompt"]: r["verdict"] or 0.0 for r in records}  # the template is the response alone

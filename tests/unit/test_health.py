@@ -1,4 +1,5 @@
-"""The sync-gap check: which learner steps it judges, the one line it says, where the run records it."""
+"""Run health: the sync-gap check (which learner steps it judges, the one line it says, where the run
+records it) and a judge without verdicts for most replies."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from skyrl_contracts.health import (
     SYNC_GAP_BOUND,
     SYNC_GAP_FLOORS,
     SyncGapCheck,
+    judge_health,
     sync_gap_floor,
     sync_gap_health,
 )
@@ -88,3 +90,33 @@ def test_the_live_view_shows_the_line_once_seen():
     view.close()
     assert view.board.notice.startswith("step 2: ") and "0.3 > 0.01" in view.board.notice
     assert "warning: step 2: trainer and engines disagree" in buffer.getvalue()
+
+
+def judge_events(verdicts: float, unparsed: float, errors: float = 0.0) -> list:
+    return [
+        event(2, "judge/verdicts", verdicts),
+        event(2, "judge/unparsed", unparsed),
+        event(2, "judge/errors", errors),
+    ]
+
+
+def test_a_judge_without_verdicts_for_most_replies_is_a_health_warning():
+    health = summarize(judge_events(verdicts=11, unparsed=30, errors=7))["health"]
+    assert health["judge_no_verdict_share"] == 37 / 48
+    assert health["message"].startswith("the judge gave no verdict for 37 of 48 replies (77%: 30 unparsed, 7 failed)")
+    assert "rl.judge.template" in health["message"]
+
+
+def test_a_judge_with_verdicts_for_most_replies_or_no_judge_is_healthy():
+    assert "health" not in summarize(judge_events(verdicts=24, unparsed=24))  # half is not most
+    assert judge_health({"train/loss": 1.0}) is None
+
+
+def test_both_checks_firing_keep_both_figures_and_messages():
+    events = [event(3, SYNC_GAP_BOUND, 1e-2), event(3, SYNC_GAP, 0.5), *judge_events(verdicts=1, unparsed=9)]
+    health = summarize(events)["health"]
+    assert health["sync_gap_first_step"] == 3 and health["judge_no_verdict_share"] == 0.9
+    first, second = health["message"].split("; the judge")
+    assert first.startswith("step 3: trainer and engines disagree") and second.startswith(
+        " gave no verdict for 9 of 10"
+    )
