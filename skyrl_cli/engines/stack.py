@@ -120,12 +120,14 @@ def attach_inference(
     metrics_period_s: float | None = 5.0,
 ) -> InferenceStack:
     """The inference side of a run on an engine pool (``skyrl_cli.engines.pool.Pool``, held by the
-    run): its processes adopted, the run's initial weights loaded, then watched as a run's own."""
+    run): its processes adopted (its auxiliary models' engines too), the run's initial weights loaded
+    (not into those), then watched as a run's own."""
     names, router_name = adopt(supervisor, pool)
     load_run_weights(pool, run_dir)
     if remote_urls:
         run_blocking(bring_up_to_date(list(remote_urls), read_current_weights(run_dir)))
-    stack = InferenceStack(names, [*pool.engine_urls, *remote_urls], pool.router_url)
+    auxiliaries = auxiliary_urls(p.spec for p in pool.auxiliaries)
+    stack = InferenceStack(names, [*pool.engine_urls, *remote_urls], pool.router_url, auxiliaries)
     return watch(stack, supervisor, run_dir, router_name, writer, step_fn, recover, metrics_period_s)
 
 

@@ -220,3 +220,26 @@ def test_requests_go_to_the_engine_that_answers_while_another_restarts():
 
     assert asyncio.run(run()) == [{"i": i} for i in range(4)]
     assert seen == ["a", "b", "b", "b", "b"]  # a is passed over once it refused a connection
+
+
+def test_a_run_on_a_pool_adopts_its_auxiliary_engines_and_its_recovery_watches_them(tmp_path, monkeypatch):
+    import os
+
+    from skyrl_cli.engines import stack as stack_module
+    from skyrl_cli.plan.pool import plan_pool
+    from tests.unit.test_engine_pool import CPU2, pool_from, teacher_recipe, write_model
+
+    model, teacher = write_model(tmp_path / "m"), write_model(tmp_path / "teacher")
+    path = tmp_path / "pool"
+    path.mkdir()
+    pool = pool_from(plan_pool(teacher_recipe(model, teacher), path, CPU2, warm=False), path, model, os.getpid())
+    adopted = []
+    supervisor = SimpleNamespace(adopt=lambda spec, pid, log: adopted.append(spec.name), poll=dict, on_detached=None)
+    monkeypatch.setattr(stack_module, "load_run_weights", lambda pool, run_dir: None)
+    stack = stack_module.attach_inference(supervisor, pool, [], tmp_path / "run", metrics_period_s=None)
+    try:
+        assert adopted == ["engine-0", "teacher-0", "router"]
+        assert stack.recovery.auxiliaries == {"teacher-0": pool.auxiliary_engine_urls[0]}
+        assert stack.recovery.engines == {"engine-0": pool.engine_urls[0]}  # no weights go to the teacher
+    finally:
+        stack.stop()
