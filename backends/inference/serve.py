@@ -18,6 +18,8 @@ Why not the ``vllm`` console script:
   of sync RL runs the model inside the EngineCore (uni executor,
   ``skyrl_cli.plan.inference.model_in_engine_core``), where no such reader exists; ``--async`` and
   every other multiprocess-executor engine still need the limit.
+- vLLM compiles its sampler helpers with inductor at the first request; for a small vocabulary that
+  is seconds for nothing (``eager_sampler_for_small_vocabularies``, set by the CPU launch plan).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 
 def _enable_amx() -> None:
@@ -48,6 +51,40 @@ def _enable_amx() -> None:
         pass
 
 
+EAGER_SAMPLER_ENV = "SKYRL_EAGER_SAMPLER_MAX_VOCAB"
+COMPILE_DISABLE_ENV = "TORCH_COMPILE_DISABLE"
+
+
+def served_vocab_size(argv: list[str]) -> int | None:
+    """``vocab_size`` from the config.json of the model this engine serves (``argv[1]``); None when it
+    cannot be read."""
+    import json
+
+    try:
+        config = json.loads((Path(argv[1]) / "config.json").read_text())
+    except (IndexError, OSError, ValueError):
+        return None
+    vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    return vocab if isinstance(vocab, int) else None
+
+
+def eager_sampler_for_small_vocabularies(argv: list[str], environ=os.environ) -> bool:
+    """Turn torch.compile off in this engine (and the EngineCore it starts, forked or spawned: the
+    environment goes with it) when the served vocabulary has at most ``$SKYRL_EAGER_SAMPLER_MAX_VOCAB``
+    entries: vLLM's compiled sampler helpers then cost seconds of inductor and g++ at the first
+    request and save nothing (``skyrl_cli.plan.inference.EAGER_SAMPLER_MAX_VOCAB``). Before torch is
+    imported: torch reads the variable once."""
+    limit = environ.get(EAGER_SAMPLER_ENV)
+    if not limit or COMPILE_DISABLE_ENV in environ:
+        return False
+    vocab = served_vocab_size(argv)
+    if vocab is None or vocab > int(limit):
+        return False
+    environ[COMPILE_DISABLE_ENV] = "1"
+    return True
+
+
+eager_sampler_for_small_vocabularies(sys.argv)
 _enable_amx()
 
 IDLE_SPIN_ENV = "SKYRL_ENGINE_IDLE_SPIN_S"

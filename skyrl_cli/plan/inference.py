@@ -238,6 +238,18 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
+# With --enforce-eager the only torch.compile left in a CPU engine is vLLM's sampler helpers (the
+# sampled token's logprob rank, the random sample), compiled with inductor and g++ at the first
+# request: 2.4-4.7 s before it is answered, against 0.15-1.8 s eager (benchmarks/bench_engine_start.py,
+# fork vs fork-compiled, 4 starts each on a loaded machine). Per sampled token, eager costs about 43 ns more per vocabulary entry
+# (151,936 entries: 1.6 ms against 0.15 ms a row for the rank, 8.0 against 3.0 ms for the sample),
+# so the compile pays off for real vocabularies; an engine serving a model of at most this many
+# entries (character and byte tokenizers: the quickstart's) runs them eager
+# (``backends.inference.serve``, which reads the model's config).
+EAGER_SAMPLER_ENV = "SKYRL_EAGER_SAMPLER_MAX_VOCAB"
+EAGER_SAMPLER_MAX_VOCAB = 256
+
+
 def device_env(
     machine: Machine, slot: int, first_gpu: int, tensor_parallel: int, async_mode: bool
 ) -> tuple[dict[str, str], tuple[str, ...]]:
@@ -252,6 +264,7 @@ def device_env(
         env.update(
             {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_CI_ENV": "1", "SKYRL_ENGINE_IDLE_SPIN_S": "0.001"}
         )
+        env[EAGER_SAMPLER_ENV] = str(EAGER_SAMPLER_MAX_VOCAB)
         if model_in_engine_core(machine, async_mode):
             # vLLM's CPU platform forces the multiprocess executor unless this is 0; the API server
             # still runs the EngineCore in a process of its own (AsyncLLM always does), so the OMP

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from skyrl_cli.plan.inference import (
+    EAGER_SAMPLER_ENV,
+    EAGER_SAMPLER_MAX_VOCAB,
     Machine,
     all_engine_urls,
     engine_specs,
@@ -185,3 +187,25 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
     info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n")
     assert cpu_has_native_bf16(str(info)) is native
     assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+
+def test_cpu_engines_run_the_sampler_eager_for_small_vocabularies_only(tmp_path):
+    from backends.inference.serve import COMPILE_DISABLE_ENV, eager_sampler_for_small_vocabularies
+
+    (cpu,) = engine_specs(recipe(engines=1), CPU, [8101], "/models/m")
+    (gpu,) = engine_specs(recipe(engines=1), GPU, [8101], "/models/m")
+    assert cpu.env[EAGER_SAMPLER_ENV] == str(EAGER_SAMPLER_MAX_VOCAB) and EAGER_SAMPLER_ENV not in gpu.env
+
+    def decided(vocab: int | None, environ: dict) -> bool:
+        model = tmp_path / f"m{vocab}"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps({} if vocab is None else {"vocab_size": vocab}))
+        return eager_sampler_for_small_vocabularies(["serve", str(model)], environ)
+
+    limit = {EAGER_SAMPLER_ENV: "256"}
+    small, big, unknown, gpu_env = dict(limit), dict(limit), dict(limit), {}
+    assert decided(64, small) and small[COMPILE_DISABLE_ENV] == "1"
+    assert not decided(151936, big) and COMPILE_DISABLE_ENV not in big
+    assert not decided(None, unknown) and COMPILE_DISABLE_ENV not in unknown  # compiled, as vLLM has it
+    assert not decided(64, gpu_env) and COMPILE_DISABLE_ENV not in gpu_env  # the plan sets no limit on GPUs
+    assert not eager_sampler_for_small_vocabularies(["serve", str(tmp_path / "missing")], dict(limit))
