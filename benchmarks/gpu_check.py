@@ -4,7 +4,8 @@ and says why; on a machine without CUDA the CPU-capable stages run on CPU with s
 
 Stages:
   sft-tiny       the tiny Llama, SFT steps with dynamic micro-batching (DeepSpeed; bf16 on CUDA)
-  sft-0.5b       Qwen2.5-0.5B (local weights, else random weights from its config), the same (CUDA only)
+  sft-0.5b       Qwen2.5-0.5B (local weights, else random weights from its config), the same (CUDA only);
+                 on CUDA both SFT stages print the planner's memory estimate beside the measured peak
   rl-learner     the real RL learner (backends.train.rl_learner) on synthetic batches: its steps and
                  the disk publish of each version (the disk weight sync's trainer half)
   int4-qat       INT4 fake-quant (torchao) SFT steps on the tiny model
@@ -33,6 +34,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -177,9 +179,39 @@ class PlainEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def sft_steps(engine, examples, steps: int, max_tokens: int, pad_id: int = 0) -> dict[str, str]:
+def memory_estimate(model, micro, kind: str, bf16: bool) -> dict[str, str]:
+    """The planner's estimate of this trainer rank (``skyrl_cli.plan.memory``: ZeRO-2 on one rank, the
+    largest micro-batch in tokens, gradient checkpointing as the model has it) beside the measured
+    peak, on CUDA. The estimate's CUDA and NCCL reserve is left out: ``max_memory_allocated``
+    counts what torch's allocator handed out, not the context."""
+    import torch
+
+    from skyrl_cli.plan.memory import TrainerSetup, trainer_rank_memory
+    from skyrl_cli.plan.shape import ModelShape
+
+    if not cuda() or not kind.startswith("DeepSpeed"):
+        return {}
+    shape = ModelShape.from_config(model.config.to_dict())
+    if shape is None:
+        return {"estimate": f"none: {model.config.model_type} is not a Llama-like decoder"}
+    setup = TrainerSetup(
+        ranks=1,
+        zero_stage=2,
+        micro_batch_tokens=max(mb.input_ids.numel() for mb in micro),
+        weight_bytes=2 if bf16 else 4,
+        gradient_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+    )
+    estimate = trainer_rank_memory(shape, setup)
+    allocated = estimate.peak - estimate.reserve
+    return {
+        "estimate": f"{allocated / 2**30:.2f} GiB allocated (+{estimate.reserve / 2**30:.1f} GiB CUDA and NCCL reserve)",
+        "measured / estimate": f"{torch.cuda.max_memory_allocated() / allocated:.2f}",
+    }
+
+
+def sft_steps(engine, examples, steps: int, max_tokens: int, pad_id: int = 0, estimate=None) -> dict[str, str]:
     """``steps`` optimizer steps over ``examples`` with dynamic micro-batching; the first step is a
-    warm-up (kernels, allocator) and not timed."""
+    warm-up (kernels, allocator) and not timed. ``estimate(micro)``: more figures, after the steps."""
     import torch
 
     from backends.train.engine import train_step
@@ -202,6 +234,7 @@ def sft_steps(engine, examples, steps: int, max_tokens: int, pad_id: int = 0) ->
         "train tokens/s": f"{tokens * steps / elapsed:,.0f}",
         "step": f"{elapsed / steps * 1000:.0f} ms ({len(micro)} micro-batches, {tokens:,} tokens)",
         "peak memory": peak_memory(),
+        **(estimate(micro) if estimate is not None else {}),
         "loss": f"{nll / loss_tokens:.3f}",
     }
 
@@ -213,9 +246,9 @@ def stage_sft_tiny(ctx) -> dict[str, str]:
     model = AutoModelForCausalLM.from_pretrained(str(ctx.tiny), dtype="bfloat16" if bf16 else "float32")
     engine, kind = train_engine(model, bf16)
     n, max_len = (256, 1024) if cuda() else (max(2, int(8 * ctx.scale)), 128)
-    figures = sft_steps(
-        engine, random_examples(n, model.config.vocab_size, 16, max_len), ctx.steps, 16384 if cuda() else 512
-    )
+    examples = random_examples(n, model.config.vocab_size, 16, max_len)
+    estimate = partial(memory_estimate, model, kind=kind, bf16=bf16)
+    figures = sft_steps(engine, examples, ctx.steps, 16384 if cuda() else 512, estimate=estimate)
     return {"trainer": f"{kind}, {'bf16' if bf16 else 'fp32'}", **figures}
 
 
@@ -227,7 +260,10 @@ def stage_sft_05b(ctx) -> dict[str, str]:
     model, source = qwen_05b(torch.bfloat16)
     model.gradient_checkpointing_enable()
     engine, kind = train_engine(model, True)
-    figures = sft_steps(engine, random_examples(64, model.config.vocab_size, 64, 1024), ctx.steps, 16384)
+    examples = random_examples(64, model.config.vocab_size, 64, 1024)
+    figures = sft_steps(
+        engine, examples, ctx.steps, 16384, estimate=partial(memory_estimate, model, kind=kind, bf16=True)
+    )
     return {
         "model": f"Qwen2.5-0.5B ({source}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B)",
         "trainer": f"{kind}, bf16",
