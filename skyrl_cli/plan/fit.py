@@ -269,14 +269,38 @@ def version_bytes(recipe: Recipe, shape: ModelShape, transport: str, hardware: H
     return engine_weight_bytes(shape, engine_bytes(recipe, hardware), _int4_group(recipe, shape))
 
 
-def _rl_step(recipe: Recipe, shape: ModelShape, hardware: Hardware, engine: EngineMemory, asks: int) -> StepTime:
-    rl, inference, gpu = recipe.rl, recipe.inference, hardware.gpu
+@dataclass(frozen=True)
+class RlStepWork:
+    """One RL step's work for the roofline: the generation, the training, the weight sync."""
+
+    generation: Generation
+    training: Training
+    transport: str
+    version_bytes: int
+
+
+def rl_step_work(
+    recipe: Recipe,
+    shape: ModelShape,
+    hardware: Hardware,
+    engine: EngineMemory,
+    asks: int,
+    *,
+    lengths: tuple[int, int] | None = None,
+    transport: str | None = None,
+) -> RlStepWork:
+    """``lengths``: a trajectory's (prompt, response) tokens, by default the worst case the recipe
+    allows (every response ``max_new_tokens`` a turn, every trajectory ``max_model_len``);
+    ``transport``: by default the one a GPU run selects."""
+    rl, inference = recipe.rl, recipe.inference
     trajectories = rl.prompts_per_step * rl.samples_per_prompt
-    response = response_tokens(recipe)
-    work = Generation(
+    if lengths is None:
+        response = response_tokens(recipe)
+        lengths = (inference.max_model_len - response, response)
+    generation = Generation(
         trajectories=trajectories,
-        prompt_tokens=inference.max_model_len - response,
-        response_tokens=response,
+        prompt_tokens=lengths[0],
+        response_tokens=lengths[1],
         engines=inference.engines,
         tensor_parallel=inference.tensor_parallel,
         concurrency=max(1, min(asks, engine.trajectories)),
@@ -286,14 +310,19 @@ def _rl_step(recipe: Recipe, shape: ModelShape, hardware: Hardware, engine: Engi
     )
     setup = trainer_setup(recipe, "rl", hardware)
     updates = rl.mini_batches * rl.epochs
-    tokens = trajectories * inference.max_model_len
+    tokens = trajectories * sum(lengths)
     extra = (1 if rl.kl.coef > 0 else 0) + (1 if rl.loss.ratio == "proximal" and updates > 1 else 0)
     training = _training(recipe, shape, setup, tokens, updates=updates, passes=rl.epochs, extra_forwards=extra)
-    transport = select_weight_sync(recipe, "cuda", transfer_available=True)
+    transport = transport or select_weight_sync(recipe, "cuda", transfer_available=True)
+    return RlStepWork(generation, training, transport, version_bytes(recipe, shape, transport, hardware))
+
+
+def _rl_step(recipe: Recipe, shape: ModelShape, hardware: Hardware, engine: EngineMemory, asks: int) -> StepTime:
+    work, gpu = rl_step_work(recipe, shape, hardware, engine, asks), hardware.gpu
     return StepTime(
-        generation_seconds(work, gpu),
-        training_seconds(training, gpu),
-        sync_seconds(transport, version_bytes(recipe, shape, transport, hardware), gpu),
+        generation_seconds(work.generation, gpu),
+        training_seconds(work.training, gpu),
+        sync_seconds(work.transport, work.version_bytes, gpu),
     )
 
 
