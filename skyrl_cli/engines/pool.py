@@ -256,11 +256,12 @@ def start_pool(plan: LaunchPlan, name: str, recipe_name: str, model_sig: dict[st
     keepers = [p for p in plan.processes if p.role in WARM_NAMES]
     with Supervisor(path) as supervisor:
         try:
+            # The auxiliary models' engines need no engine model: their start-up overlaps the setup job.
+            started_auxiliaries = [supervisor.start(spec, detached=True) for spec in auxiliaries]
             for spec in setup:
                 supervisor.start(spec)
                 supervisor.wait_jobs([spec.name])
             started = [supervisor.start(spec, detached=True) for spec in engines]
-            started_auxiliaries = [supervisor.start(spec, detached=True) for spec in auxiliaries]
             supervisor.wait_ready([p.spec.name for p in (*started, *started_auxiliaries)])
             run_blocking(set_weight_version(list(plan.engine_urls), "0"))
             router_proc = supervisor.start(router, detached=True)

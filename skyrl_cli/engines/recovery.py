@@ -8,7 +8,8 @@ A local engine counts as dead when its process exited or its ``/health`` failed
    and the rollout client retries them; its retry releases the session pin first, so the router
    places the session on a live engine.
 2. The supervisor restarts the process (same spec: same port, core and flags) and waits for
-   ``/health``.
+   ``/health``. Engines found dead in the same pass (several killed at once) are all restarted
+   before any is waited for, so their start-ups overlap.
 3. The engine loads the current weights (``<run_dir>/weights/current.json``, the latest synced
    directory and version) through the normal reload path; if a newer sync was recorded meanwhile,
    it loads that too.
@@ -113,22 +114,22 @@ class EngineRecovery:
 
     def check_once(self) -> list[str]:
         """One pass over the router and all engines; returns the names of local processes
-        recovered in it."""
+        recovered in it. Engines found dead in the same pass (an OOM kill of several) are all
+        restarted first, then each waited for: their start-ups overlap."""
         recovered = [self.router_name] if self._check_router() else []
-        for name, url in self.engines.items():
+        dead = []
+        for name, url in [*self.engines.items(), *self.auxiliaries.items()]:
             if self._stop.is_set():
                 break
-            if self.restarts.get(name, 0) >= self.max_restarts or not self._dead(name, url):
-                continue
-            if self._recover_local(name, url):
-                recovered.append(name)
-        for name, url in self.auxiliaries.items():
-            if self._stop.is_set():
-                break
-            if self.restarts.get(name, 0) >= self.max_restarts or not self._dead(name, url):
-                continue
-            if self._recover_auxiliary(name, url):
-                recovered.append(name)
+            if self.restarts.get(name, 0) < self.max_restarts and self._dead(name, url):
+                dead.append((name, url))
+        try:
+            restarted = [(name, url, self._restart(name, url)) for name, url in dead]
+            for name, url, started in restarted:
+                if started is not None and self._bring_back(name, url, started):
+                    recovered.append(name)
+        finally:
+            self.recovering.clear()
         for url in self.remote_urls:
             self._check_remote(url)
         return recovered
@@ -147,60 +148,49 @@ class EngineRecovery:
             if read_current_weights(self.run_dir) == current:
                 return
 
-    def _recover_local(self, name: str, url: str) -> bool:
+    def _restart(self, name: str, url: str) -> float | None:
+        """Take a dead engine out of the router (a policy engine) and start it again; when it was
+        started (``time.monotonic()``), or None when that failed (tried again at the next pass)."""
         self.recovering.set()
         started = time.monotonic()
         self.restarts[name] = self.restarts.get(name, 0) + 1
-        log.warning("engine %s (%s) is down; restarting (restart %d)", name, url, self.restarts[name])
+        what = "auxiliary engine" if name in self.auxiliaries else "engine"
+        log.warning("%s %s (%s) is down; restarting (restart %d)", what, name, url, self.restarts[name])
         try:
-            self._remove(url)
+            if name in self.engines:
+                self._remove(url)
             self.supervisor.restart(name)
+        except Exception as err:  # noqa: BLE001 - try again at the next pass
+            log.error("recovery of %s failed: %s", name, err)
+            return None
+        return started
+
+    def _bring_back(self, name: str, url: str, started: float) -> bool:
+        """Wait for a restarted engine; a policy engine then loads the current weights and goes back
+        into the router (an auxiliary model's has neither: it serves its model as it started)."""
+        try:
             self.supervisor.wait_ready([name], timeout_s=self.ready_timeout_s)
-            self._load_current_weights(url)
-            self.router.ensure_worker(url)
+            if name in self.engines:
+                self._load_current_weights(url)
+                self.router.ensure_worker(url)
         except Exception as err:  # noqa: BLE001 - try again at the next pass
             log.error("recovery of %s failed: %s", name, err)
             return False
-        finally:
-            self.recovering.clear()
         self._failures[name] = 0
         seconds = time.monotonic() - started
-        log.warning("engine %s is back after %.1f s", name, seconds)
+        log.warning(
+            "%s %s is back after %.1f s", "auxiliary engine" if name in self.auxiliaries else "engine", name, seconds
+        )
         if self.writer is not None:
-            self.writer.log(
-                self.step_fn(),
-                {"engine/restarts": self._engine_restarts(), "timing/engine_recovery_s": seconds},
-            )
+            metrics = {"engine/restarts": self._engine_restarts(), "timing/engine_recovery_s": seconds}
+            if name in self.auxiliaries:
+                metrics["auxiliary/restarts"] = float(sum(self.restarts.get(n, 0) for n in self.auxiliaries))
+            self.writer.log(self.step_fn(), metrics)
         return True
 
     def _engine_restarts(self) -> float:
         """``engine/restarts``: the run's restarts of engines, the policy's and the auxiliary models'."""
         return float(sum(count for name, count in self.restarts.items() if name != self.router_name))
-
-    def _recover_auxiliary(self, name: str, url: str) -> bool:
-        """An auxiliary model's engine: restarted and waited ready; no router, no weights."""
-        started = time.monotonic()
-        self.restarts[name] = self.restarts.get(name, 0) + 1
-        log.warning("auxiliary engine %s (%s) is down; restarting (restart %d)", name, url, self.restarts[name])
-        try:
-            self.supervisor.restart(name)
-            self.supervisor.wait_ready([name], timeout_s=self.ready_timeout_s)
-        except Exception as err:  # noqa: BLE001 - try again at the next pass
-            log.error("recovery of %s failed: %s", name, err)
-            return False
-        self._failures[name] = 0
-        seconds = time.monotonic() - started
-        log.warning("auxiliary engine %s is back after %.1f s", name, seconds)
-        if self.writer is not None:
-            self.writer.log(
-                self.step_fn(),
-                {
-                    "engine/restarts": self._engine_restarts(),
-                    "auxiliary/restarts": float(sum(self.restarts.get(n, 0) for n in self.auxiliaries)),
-                    "timing/engine_recovery_s": seconds,
-                },
-            )
-        return True
 
     def _check_router(self) -> bool:
         """Restart the router if its process exited; True when it was brought back."""

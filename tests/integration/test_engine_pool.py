@@ -1,8 +1,11 @@
 """Engine pools on the real stack: ``skyrl engines up``, then RL runs one after the other on the same
 engine processes, each on its own initial weights and each with a fresh generation of the pool's
-warm learner; a second run refused while one holds the pool; an engine killed mid-run restarted by
-the run, detached, and left to the pool; a warm learner killed mid-run failing that run in one line
-and replaced by the pool.
+warm learner; a second run refused while one holds the pool; an engine and the teacher's engine
+killed mid-run restarted by the run, detached, and left to the pool; a warm learner killed mid-run
+failing that run in one line and replaced by the pool.
+
+The recipe distills from a teacher (``rl.distillation``, the perturbed copy of the SFT model below):
+the pool keeps the teacher's engine too, and every run uses it instead of starting one.
 
 How a test knows the engines served the run's own model: in a sync run every step is on-policy, so
 the trainer's and the engines' logprobs of the same samples agree (``train/logprob_diff``) only if
@@ -26,7 +29,7 @@ import pytest
 
 from skyrl_cli.launch.supervisor import pid_alive
 from tests.integration.cli_runs import ENV, SKYRL, events, run_skyrl
-from tests.recipes import RL, SFT, SMALL, tiny_recipe, write_recipe
+from tests.recipes import RL, SFT, SMALL, merged, tiny_recipe, write_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -40,6 +43,8 @@ RECIPE = tiny_recipe(
     trainer={"zero_stage": None},
 )
 POOL = "itest"
+# The pool's recipe once the teacher exists (recipes are checked against the files they name).
+WITH_TEACHER = merged(RECIPE, rl={"distillation": {"teacher": "other-model"}})
 
 
 def skyrl(workdir: Path, *args, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -71,12 +76,17 @@ def engine_pids(workdir: Path) -> list[int]:
     return [e["pid"] for e in pool_state(workdir)["engines"]]
 
 
+def teacher_pids(workdir: Path) -> list[int]:
+    return [e["pid"] for e in pool_state(workdir)["auxiliaries"] if e["spec"]["name"].startswith("teacher-")]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pool")
     write_recipe(root / "recipe.toml", RECIPE)
     skyrl(root, "sft", "recipe.toml", "--quiet")
     perturbed_copy(root / "runs" / "pooltest" / "sft" / "final", root / "other-model")
+    write_recipe(root / "recipe.toml", WITH_TEACHER)
     started = time.monotonic()
     skyrl(root, "engines", "up", "recipe.toml", "--name", POOL)
     print(f"engines up: {time.monotonic() - started:.1f} s")
@@ -85,13 +95,18 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def test_two_runs_one_after_the_other_use_the_same_engines_each_on_its_own_weights(workdir):
-    before = engine_pids(workdir)
+    before = engine_pids(workdir) + teacher_pids(workdir)
     first = skyrl(workdir, "rl", "recipe.toml", "--run-dir", "r1", "--quiet")
     assert f"using engine pool {POOL}" in first.stderr
     second = skyrl(workdir, "rl", "recipe.toml", "--run-dir", "r2", "--quiet", "--set", "rl.init_from=other-model")
     assert f"using engine pool {POOL}" in second.stderr
-    assert engine_pids(workdir) == before  # no engine was started for either run
+    assert engine_pids(workdir) + teacher_pids(workdir) == before  # no engine was started for either run
+    (teacher_url,) = [a["url"] for a in pool_status(workdir)["auxiliaries"]]
     for run in ("r1", "r2"):
+        plan = json.loads((workdir / run / "plan.json").read_text())
+        assert plan["auxiliary_urls"] == {"teacher": [teacher_url]}  # the pool's teacher, none of its own
+        assert not [p for p in plan["processes"] if p["role"] == "auxiliary"]
+        assert len(events(workdir / run, "distill/reverse_kl")) == 2
         summary = json.loads((workdir / run / "summary.json").read_text())
         assert summary["pool"] == POOL and summary["completed"] is True
         assert "health" not in summary, summary["health"]  # no sync gap between trainer and engines
@@ -107,11 +122,15 @@ def test_two_runs_one_after_the_other_use_the_same_engines_each_on_its_own_weigh
         imports = float(re.search(ready + r".*\(imports ([\d.]+) s", log).group(1))
         assert imports < 2.0, log[-3000:]
     # The runs left no process of theirs behind, and the pool serves on, with its next learner warm.
-    status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
+    status = pool_status(workdir)
     assert status["in_use_by"] is None and all(e["healthy"] for e in status["engines"])
     assert status["router"]["healthy"]
     assert not any(pid_alive(pid) for pid in agents)
     wait_until_warm(workdir)
+
+
+def pool_status(workdir: Path) -> dict:
+    return json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
 
 
 def warm_pid(run_dir: Path, process: str = "trainer") -> int | None:
@@ -138,11 +157,11 @@ def wait_until_warm(workdir: Path, timeout: float = 180) -> None:
     raise AssertionError(f"the pool's next generations are not warm: {status['warm']}")
 
 
-def long_run_past_its_first_step(workdir: Path, run_dir: str) -> subprocess.Popen:
-    """A 40-step run, once it has trained a step. Long enough (a step takes about a second here)
-    that a kill lands mid-run, not in its last step."""
+def long_run_past_its_first_step(workdir: Path, run_dir: str, steps: int = 40) -> subprocess.Popen:
+    """A run of ``steps`` steps, once it has trained one. 40 are long enough (a step takes about a
+    second here) that a kill lands mid-run, not in its last step."""
     env = {**ENV, "SKYRL_POOLS_DIR": str(workdir / "pools")}
-    argv = [str(SKYRL), "rl", "recipe.toml", "--run-dir", run_dir, "--quiet", "--set", "rl.steps=40"]
+    argv = [str(SKYRL), "rl", "recipe.toml", "--run-dir", run_dir, "--quiet", "--set", f"rl.steps={steps}"]
     run = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not events(workdir / run_dir, "train/policy_loss") and time.monotonic() < deadline and run.poll() is None:
@@ -178,15 +197,24 @@ def test_a_second_run_is_refused_while_the_pool_is_in_use(workdir, monkeypatch):
     assert planned.returncode == 0 and "in use by" in planned.stderr and "using engine pool" not in planned.stderr
 
 
-def test_an_engine_killed_mid_run_is_restarted_by_the_run_and_stays_in_the_pool(workdir):
+def test_an_engine_and_the_teacher_killed_mid_run_are_restarted_by_the_run_and_stay_in_the_pool(workdir):
     (old,) = engine_pids(workdir)
-    run = long_run_past_its_first_step(workdir, "r4")
-    os.killpg(old, signal.SIGKILL)  # the engine and its EngineCore
+    (old_teacher,) = teacher_pids(workdir)
+    # 10 steps: a step the kills land in waits for the teacher (its requests wait out the restart).
+    run = long_run_past_its_first_step(workdir, "r4", steps=10)
+    for pid in (old, old_teacher):
+        os.killpg(pid, signal.SIGKILL)  # the engine and its EngineCore
     out, err = run.communicate(timeout=600)
     assert run.returncode == 0, err[-3000:]
-    (new,) = engine_pids(workdir)
-    assert new != old and os.path.exists(f"/proc/{new}")  # restarted, and still running after the run
+    ((new,), (new_teacher,)) = engine_pids(workdir), teacher_pids(workdir)
+    for before, after in ((old, new), (old_teacher, new_teacher)):
+        assert after != before and os.path.exists(f"/proc/{after}")  # restarted, and still running after the run
     assert [v for _, v in events(workdir / "r4", "engine/restarts")], "the run did not record the restart"
-    assert max(step for step, _ in events(workdir / "r4", "train/policy_loss")) == 40
-    status = json.loads(skyrl(workdir, "engines", "status", "--json").stdout.splitlines()[0])
-    assert all(e["healthy"] for e in status["engines"])
+    assert [v for _, v in events(workdir / "r4", "auxiliary/restarts")] == [1.0], "no (or more) teacher restarts"
+    assert max(step for step, _ in events(workdir / "r4", "train/policy_loss")) == 10
+    # Every step was scored by the teacher: its requests waited out the restart instead of failing.
+    assert len(events(workdir / "r4", "distill/reverse_kl")) == 10
+    errors = workdir / "r4" / "sample_errors.jsonl"
+    assert not errors.exists() or "teacher" not in errors.read_text()
+    status = pool_status(workdir)
+    assert all(e["healthy"] for e in status["engines"]) and all(a["healthy"] for a in status["auxiliaries"])

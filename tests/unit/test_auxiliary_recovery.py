@@ -31,6 +31,7 @@ class FakeSupervisor:
         self.codes = {name: None for name in names}
         self.processes = {name: SimpleNamespace(log_path=tmp_path / f"logs/{name}.log") for name in names}
         self.restarted: list[str] = []
+        self.calls: list[tuple[str, str]] = []
         self.broken: set[str] = set()
 
     def poll(self):
@@ -41,10 +42,12 @@ class FakeSupervisor:
 
     def restart(self, name):
         self.restarted.append(name)
+        self.calls.append(("restart", name))
         self.codes[name] = -9 if name in self.broken else None
 
     def wait_ready(self, names, timeout_s=None):
         for name in names:
+            self.calls.append(("wait_ready", name))
             if self.codes[name] is not None:
                 raise RuntimeError(f"{name} exited")
 
@@ -80,10 +83,8 @@ def recovery(tmp_path, supervisor, **kwargs) -> EngineRecovery:
     r.router.close()
     r.router = FakeRouter()
 
-    def no_weights(url):
-        raise AssertionError(f"weights loaded into {url}")
-
-    r._load_current_weights = no_weights
+    r.loaded = []
+    r._load_current_weights = r.loaded.append
     return r
 
 
@@ -94,11 +95,31 @@ def test_a_dead_teacher_engine_is_restarted_with_its_spec_alone_and_counted(tmp_
     sup.kill("teacher-1")
     assert r.check_once() == ["teacher-1"]
     assert sup.restarted == ["teacher-1"] and sup.codes["teacher-1"] is None
-    assert r.router.calls == []  # behind no router: nothing removed or added, and no weights loaded
+    assert r.router.calls == [] and r.loaded == []  # behind no router, and no weights to load
     ((step, metrics),) = r.writer.logged
     assert step == 7 and metrics["engine/restarts"] == 1.0 and metrics["auxiliary/restarts"] == 1.0
     assert metrics["timing/engine_recovery_s"] >= 0
     assert r.gave_up() is None
+
+
+def test_engines_that_die_together_are_restarted_together(tmp_path):
+    sup = FakeSupervisor(tmp_path, ["engine-0", "teacher-0", "teacher-1"])
+    r = recovery(tmp_path, sup)
+    sup.kill("engine-0")
+    sup.kill("teacher-0")
+    assert r.check_once() == ["engine-0", "teacher-0"]
+    assert sup.calls == [  # both start before either is waited for: their start-ups overlap
+        ("restart", "engine-0"),
+        ("restart", "teacher-0"),
+        ("wait_ready", "engine-0"),
+        ("wait_ready", "teacher-0"),
+    ]
+    # The policy's engine left the router, loaded the current weights and came back; the teacher's did neither.
+    assert r.router.calls == [("remove_worker", "http://e0"), ("ensure_worker", "http://e0")]
+    assert r.loaded == ["http://e0"]
+    assert [m.get("auxiliary/restarts") for _, m in r.writer.logged] == [None, 1.0]
+    assert [m["engine/restarts"] for _, m in r.writer.logged] == [2.0, 2.0]
+    assert not r.recovering.is_set()
 
 
 def test_the_run_gives_up_only_when_an_auxiliary_model_has_no_engine_left(tmp_path):
