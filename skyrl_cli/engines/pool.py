@@ -5,8 +5,8 @@ vLLM on CPU; minutes on GPUs: weights, graph capture).
 A pool lives in ``<pools>/<name>/`` (``SKYRL_POOLS_DIR``, default ``~/.cache/skyrl/pools``):
 
 - ``pool.json``: what ``skyrl engines status`` shows and a run needs: the specs, pids, URLs and logs
-  of the engines, the auxiliary models' engines (a teacher, a judge) and the router, the engines' flags and model shape (what a run must match,
-  ``skyrl_cli.plan.pool``), since when;
+  of the engines, the auxiliary models' engines (a teacher, a judge) and the router, the engines'
+  flags and model shape (what a run must match, ``skyrl_cli.plan.pool``), since when;
 - ``engine-model/``: the model the engines booted from; ``logs/``: their output;
 - ``lock``: held (``flock``) by the run using the pool, so two runs never share one; ``holder.json``
   says which run.

@@ -2,8 +2,8 @@
 command, and what a later run must match to use them.
 
 A pool is the inference half of an RL plan (``skyrl_cli.plan.rl``): the same engine, router and
-auxiliary-model engine specs (a teacher, a judge: served as they are, never weight-synced), built by the same functions from the same recipe, with the pool's folder in place of a run
-directory. The engines start from ``<pool>/engine-model`` (the recipe's initial policy, served
+auxiliary-model engine specs (a teacher, a judge: served as they are, never weight-synced), built
+by the same functions from the same recipe, with the pool's folder in place of a run directory. The engines start from ``<pool>/engine-model`` (the recipe's initial policy, served
 untied); a run that attaches loads its own initial weights into them, so the pool fits any run
 whose engines would have been started with the same flags (``engine_signature``) on a model of
 the same shape (``model_signature``): a run's own model never needs to be the pool's.
