@@ -277,8 +277,9 @@ def largest_micro_batch(batches: dict[int, list[dict]], mini_batches: int, budge
 
 
 def learner_estimate(run_dir: Path, batches: dict[int, list[dict]]) -> dict:
-    """What ``skyrl recipes validate`` estimates for one learner rank of this run (on CPU: no CUDA
-    reserve), at the largest micro-batch the run laid out, part by part."""
+    """What ``skyrl recipes validate`` estimates for one learner rank of this run (on CPU: its
+    resident memory, the process itself included), at the largest micro-batch the run laid out,
+    part by part."""
     from skyrl_cli.plan.fit import Hardware, trainer_setup
     from skyrl_cli.plan.memory import trainer_rank_memory
     from skyrl_cli.plan.shape import ModelShape
@@ -288,10 +289,7 @@ def learner_estimate(run_dir: Path, batches: dict[int, list[dict]]) -> dict:
     config = json.loads((Path(recipe.rl.init_from) / "config.json").read_text())
     setup = trainer_setup(recipe, "rl", Hardware(gpus=1, gpu_bytes=None, gpu=None, device="cpu"))
     tokens = largest_micro_batch(batches, recipe.rl.mini_batches, recipe.rl.max_tokens_per_microbatch)
-    memory = dataclasses.replace(
-        trainer_rank_memory(ModelShape.from_config(config), dataclasses.replace(setup, micro_batch_tokens=tokens)),
-        reserve=0,
-    )
+    memory = trainer_rank_memory(ModelShape.from_config(config), dataclasses.replace(setup, micro_batch_tokens=tokens))
     return {"micro_batch_tokens": tokens, "peak": memory.peak, "parts": dict(memory.parts())}
 
 
@@ -302,7 +300,7 @@ FRAMEWORK = (
 
 def framework_rss(env: dict[str, str]) -> int:
     """A learner rank's resident size before it loads a model: the interpreter, torch, DeepSpeed and
-    transformers (the estimate counts tensors only)."""
+    transformers (for comparison with the estimate's ``TRAINER_CPU_RUNTIME_BYTES``)."""
     done = subprocess.run(
         [sys.executable, "-c", FRAMEWORK], env={**os.environ, **env}, capture_output=True, text=True, cwd=REPO
     )
@@ -393,9 +391,9 @@ def report(phases: dict[int, dict], memory: ProcessMemory, limit: dict, wall_s: 
     parts = ", ".join(f"{name} {value / 1e9:.2f}" for name, value in est["parts"].items() if value)
     print(
         f"\na learner rank, estimated (skyrl_cli.plan.memory, micro-batch {est['micro_batch_tokens']} tokens): "
-        f"{est['peak'] / 1e9:.2f} GB ({parts}) + {base / 1e9:.2f} GB the libraries' resident size = "
-        f"{(est['peak'] + base) / 1e9:.2f} GB; measured peak {', '.join(f'{r / 1e9:.2f}' for r in ranks)} GB"
-        + (f" ({max(ranks) / (est['peak'] + base):.2f}x)" if ranks else "")
+        f"{est['peak'] / 1e9:.2f} GB ({parts}; the libraries alone, before a model loads: {base / 1e9:.2f} GB); "
+        f"measured peak {', '.join(f'{r / 1e9:.2f}' for r in ranks)} GB"
+        + (f" ({max(ranks) / est['peak']:.2f}x)" if ranks else "")
     )
 
 

@@ -113,9 +113,22 @@ def role_of(cmdline: str) -> str | None:
     return None
 
 
+def resident_peak(proc) -> int:
+    """A process's peak resident bytes so far: the kernel's high-water mark (``VmHWM``), which no
+    sampling interval misses, or its resident size now where /proc has no such line."""
+    try:
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return proc.memory_info().rss
+
+
 class ProcessMemory(Watcher):
     """Samples the resident memory of ``root_pid`` and all its descendants every ``period_s``;
-    ``peaks()`` gives each process's peak, labelled with its role (the driver is ``skyrl``)."""
+    ``peaks()`` gives each process's peak (its high-water mark up to the last sample), labelled
+    with its role (the driver is ``skyrl``)."""
 
     period_s = 0.2
 
@@ -125,6 +138,7 @@ class ProcessMemory(Watcher):
         self.root_pid = root_pid
         self.peak_rss: dict[int, int] = {}
         self.labels: dict[int, str] = {}
+        self.cmdlines: dict[int, str] = {}
         try:
             self.root = psutil.Process(root_pid)
         except psutil.NoSuchProcess:
@@ -141,20 +155,24 @@ class ProcessMemory(Watcher):
             return
         for proc in tree:
             try:
-                rss = proc.memory_info().rss
-                if proc.pid not in self.labels:
-                    self.labels[proc.pid] = self.label(proc)
+                rss = resident_peak(proc)
+                cmdline = " ".join(proc.cmdline())
+                # labelled again after an exec: a worker is first seen as its launcher's fork
+                if self.cmdlines.get(proc.pid) != cmdline:
+                    self.cmdlines[proc.pid] = cmdline
+                    self.labels[proc.pid] = self.label(proc, cmdline)
             except psutil.Error:
                 continue
             self.peak_rss[proc.pid] = max(rss, self.peak_rss.get(proc.pid, 0))
 
-    def label(self, proc) -> str:
+    def label(self, proc, cmdline: str) -> str:
         if proc.pid == self.root_pid:
             return "skyrl (driver)"
-        role = role_of(" ".join(proc.cmdline()))
-        if role is None:
-            parent = proc.parent()
-            inherited = self.labels.get(parent.pid) if parent else None
+        role = role_of(cmdline)
+        parent = proc.parent()
+        inherited = self.labels.get(parent.pid) if parent else None
+        # a forked child keeps its parent's command line: it is the parent's child, not another rank
+        if role is None or role == inherited:
             role = (inherited if inherited.endswith(" child") else f"{inherited} child") if inherited else proc.name()
         return role
 

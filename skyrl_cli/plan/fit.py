@@ -192,7 +192,16 @@ def trainer_setup(recipe: Recipe, stage: str, hardware: Hardware) -> TrainerSetu
         int4_qat=quant is not None and quant.int4_qat,
         reference_copy=reference,
         gradient_checkpointing=recipe.trainer.gradient_checkpointing,
+        device="cuda" if hardware.device == "cuda" else "cpu",
+        data_examples=data_examples(recipe, stage),
     )
+
+
+def data_examples(recipe: Recipe, stage: str) -> int:
+    """Examples an SFT rank holds: a built-in task's train split (a file's rows are not read here:
+    0). The RL learner holds only the batches the orchestrator sends."""
+    generated = recipe.data.task is not None and recipe.data.train is None
+    return recipe.data.train_size if stage == "sft" and generated else 0
 
 
 def _int4_group(recipe: Recipe, shape: ModelShape) -> int | None:
@@ -374,9 +383,7 @@ def estimate(recipe: Recipe, shape: ModelShape, hardware: Hardware) -> Estimate:
     trainers = []
     for stage in stages:
         setup = trainer_setup(recipe, stage, hardware)
-        memory = trainer_rank_memory(shape, setup)
-        if hardware.device != "cuda":  # no CUDA context or NCCL buffers in RAM
-            memory = replace(memory, reserve=0)
+        memory = trainer_rank_memory(shape, setup)  # on CPU: resident memory (setup.device)
         trainers.append(TrainerFit(stage, setup, memory))
     engine = _engine(recipe, shape, hardware)
     asks = _engine_asks(recipe) if recipe.rl is not None else 0

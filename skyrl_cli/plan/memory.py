@@ -30,6 +30,15 @@ the weights only (and, offloading the parameters too under ZeRO-3, the gathered 
 Activations are the tensors autograd saves for backward, per token of the largest micro-batch,
 counted for the HF Llama/Qwen decoder layer with SDPA attention (checked against torch's
 saved-tensor hooks in ``tests/unit/test_memory_estimates.py``), plus the logits of the loss.
+
+On CPU (``TrainerSetup.device = "cpu"``: a rank's resident memory, checked against runs by
+``benchmarks/bench_memory_estimates.py``) three things differ from a GPU: the process itself
+(interpreter, libraries; an SFT rank's tokenized data) takes the place of CUDA's context
+(``TRAINER_CPU_RUNTIME_BYTES``, ``CPU_BYTES_PER_EXAMPLE``);
+DeepSpeed's reduction bucket takes RAM only as far as gradients are copied into it (an untouched
+``torch.empty`` page is not resident), and ZeRO-1/2 fill it after the micro-batch's activations
+are gone; and glibc keeps freed tensors below its mmap threshold in its heap, so the activations
+and ZeRO-3's gathered weights leave pages behind (``allocator``).
 """
 
 from __future__ import annotations
@@ -44,6 +53,26 @@ GIB = 2**30
 # CUDA context with torch's kernels loaded (about 0.5 GiB on an H100) and NCCL's communicator
 # buffers (about 0.5 GiB): constants, not measured here.
 TRAINER_CUDA_RESERVE_BYTES = 1 * GIB
+# A CPU trainer rank (SFT or RL learner) besides its tensors and its dataset: the interpreter,
+# torch, DeepSpeed, transformers (0.29 GB imported), gloo, the tokenizer, the run's own objects.
+# With a few tens of MB of tensors, 2 ranks, ZeRO-2 (2-core AMD EPYC, Python 3.11, torch 2.9,
+# DeepSpeed 0.19), ranks peaked at: the quickstart's RL learner 0.55 GB, the quickstart's SFT
+# (100,000 sums) 0.61 GB, tests/integration/test_sft.py's SFT run (2,000 sums) 0.49 GB:
+#   python benchmarks/bench_memory_estimates.py --sizes quickstart --stages 2 --rl
+TRAINER_CPU_RUNTIME_BYTES = 453 * 2**20
+# Each example of a built-in task's train split an SFT rank holds tokenized (Python lists): the
+# two SFT runs above, 98,000 examples apart, peaked 0.08 GB apart.
+CPU_BYTES_PER_EXAMPLE = 800
+# What glibc keeps of a micro-batch's freed activations on CPU, as a share of them: they are below
+# its mmap threshold (which it raises to 32 MiB after the first large frees), and the gradients and
+# Adam states allocated among them fragment its heap. Under ZeRO-3 the weights gathered for each
+# module in forward and again in backward stay behind the same way (2 x the model's weights). With
+# glibc's threshold held at 128 KiB (MALLOC_MMAP_THRESHOLD_=131072, which halves the quickstart's
+# tokens/s) the SmolLM2-135M shape's ranks peaked 0.5 (ZeRO-0) to 1.6 GB (ZeRO-3) lower. Fitted on
+# that shape at ZeRO 0-3, 2 ranks, 512-token micro-batches; the Qwen2.5-0.5B shape's one-rank RL
+# runs (benchmarks/RESULTS.md: 17.21 GB ZeRO-2, 13.02 GB stage 0) are then 1.03x and 1.08x the estimate:
+#   python benchmarks/bench_memory_estimates.py --sizes smollm2-135m
+CPU_KEPT_ACTIVATIONS = 0.6
 # DeepSpeed defaults the trainer's config leaves as they are (deepspeed/runtime/zero/config.py):
 # reduce_bucket_size (elements), stage3_prefetch_bucket_size and sub_group_size.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
@@ -78,6 +107,8 @@ class TrainerSetup:
     reference_copy: bool = False  # a frozen copy of the model for the KL term (RL, without LoRA)
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
     offload: Offload = "none"  # the trainer does not offload; for comparison with DeepSpeed's estimators
+    device: Literal["cuda", "cpu"] = "cuda"  # cpu: resident memory of a CPU rank (see the module's doc)
+    data_examples: int = 0  # CPU: tokenized examples a rank holds (an SFT stage's built-in train split)
 
 
 def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
@@ -111,8 +142,11 @@ class RankMemory:
     logits: int
     qat_copies: int
     buckets: int  # DeepSpeed's gradient reduction bucket (ZeRO-3: and its prefetch bucket)
-    reserve: int = field(default=TRAINER_CUDA_RESERVE_BYTES)
+    reserve: int = field(default=TRAINER_CUDA_RESERVE_BYTES)  # CUDA + NCCL; on CPU the process itself
     activations_checkpointed: int = 0  # what the activations would be with gradient checkpointing
+    step_buckets: int = 0  # CPU, ZeRO-1/2: the bucket, resident once activations are gone
+    allocator: int = 0  # CPU: freed tensors glibc keeps in its heap
+    device: str = "cuda"
 
     @property
     def model_states(self) -> int:
@@ -127,11 +161,11 @@ class RankMemory:
         """Everything alive at the end of forward, when backward starts."""
         states = self.weights + self.gradients + self.fp32_gradients + self.master_weights + self.optimizer
         live = self.zero3_gathered + self.activations + self.logits + self.qat_copies
-        return states + live + self.reference + self.buckets + self.reserve
+        return states + live + self.reference + self.buckets + self.reserve + self.allocator
 
     @property
     def peak(self) -> int:
-        step = self.model_states + self.reference + self.buckets + self.reserve
+        step = self.model_states + self.reference + self.buckets + self.step_buckets + self.reserve + self.allocator
         return max(self.backward_peak, step)
 
     def parts(self) -> list[tuple[str, int]]:
@@ -147,8 +181,9 @@ class RankMemory:
             ("activations", self.activations),
             ("logits", self.logits),
             ("QAT copies", self.qat_copies),
-            ("DeepSpeed buckets", self.buckets),
-            ("CUDA + NCCL", self.reserve),
+            ("DeepSpeed buckets", self.buckets + self.step_buckets),
+            ("freed, kept by malloc", self.allocator),
+            ("CUDA + NCCL" if self.device == "cuda" else "Python, libraries, data", self.reserve),
         ]
         return [(name, value) for name, value in named if value]
 
@@ -181,18 +216,42 @@ def _model_states(shape: ModelShape, setup: TrainerSetup, trained: int) -> dict[
     return states
 
 
-def _buckets(setup: TrainerSetup, trained: int) -> int:
+def _buckets(shape: ModelShape, setup: TrainerSetup, trained: int) -> int:
     """DeepSpeed's gradient reduction bucket: ZeRO-1 stages it in fp32, ZeRO-2 in the weights' dtype
-    (both allocate the whole ``reduce_bucket_size``); ZeRO-3 fills one up to the trained parameters
-    and prefetches the next modules' weights into another."""
+    (both allocate the whole ``reduce_bucket_size``; on CPU only the part gradients are copied
+    into is resident); ZeRO-3 fills one up to the trained parameters and prefetches the next
+    modules' weights into another."""
     if setup.zero_stage == 0:
         return 0
     if setup.zero_stage == 3:
         reduce = 0 if setup.offload != "none" else min(DEEPSPEED_REDUCE_BUCKET, trained)
-        return setup.weight_bytes * (reduce + DEEPSPEED_PREFETCH_BUCKET)
+        # on CPU the prefetched weights are the model's at most (no bucket is allocated for them)
+        prefetch = (
+            min(DEEPSPEED_PREFETCH_BUCKET, shape.parameters()) if setup.device == "cpu" else DEEPSPEED_PREFETCH_BUCKET
+        )
+        return setup.weight_bytes * (reduce + prefetch)
     if setup.offload != "none":
         return 0
-    return (4 if setup.zero_stage == 1 else setup.weight_bytes) * DEEPSPEED_REDUCE_BUCKET
+    elements = min(DEEPSPEED_REDUCE_BUCKET, trained) if setup.device == "cpu" else DEEPSPEED_REDUCE_BUCKET
+    return (4 if setup.zero_stage == 1 else setup.weight_bytes) * elements
+
+
+def _cpu_parts(shape: ModelShape, setup: TrainerSetup, activations: int, buckets: int) -> dict[str, int]:
+    """What a CPU rank has instead of CUDA's reserve (``TRAINER_CPU_RUNTIME_BYTES``), its bucket
+    (ZeRO-1/2: after the activations), and what glibc keeps of freed tensors: a share of the
+    activations and, under ZeRO-3, the weights gathered in forward and again in backward."""
+    if setup.device != "cpu":
+        return {"buckets": buckets}
+    gathered = 2 * setup.weight_bytes * shape.parameters() if setup.zero_stage == 3 else 0
+    kept = int(CPU_KEPT_ACTIVATIONS * activations) + gathered
+    in_step = setup.zero_stage in (1, 2)
+    return {
+        "buckets": 0 if in_step else buckets,
+        "step_buckets": buckets if in_step else 0,
+        "allocator": kept,
+        "reserve": TRAINER_CPU_RUNTIME_BYTES + CPU_BYTES_PER_EXAMPLE * setup.data_examples,
+        "device": "cpu",
+    }
 
 
 def activation_bytes(shape: ModelShape, setup: TrainerSetup, checkpointed: bool) -> int:
@@ -213,14 +272,15 @@ def trainer_rank_memory(shape: ModelShape, setup: TrainerSetup) -> RankMemory:
     trained = shape.parameters() if full else lora_parameters(shape, setup.lora_rank, setup.lora_targets)
     w, tokens = setup.weight_bytes, setup.micro_batch_tokens
     qat_layers = 1 if setup.gradient_checkpointing else shape.layers
+    activations = activation_bytes(shape, setup, setup.gradient_checkpointing)
     return RankMemory(
         **_model_states(shape, setup, trained),
         reference=w * shape.parameters() if setup.reference_copy else 0,
-        activations=activation_bytes(shape, setup, setup.gradient_checkpointing),
+        activations=activations,
         activations_checkpointed=activation_bytes(shape, setup, True),
         logits=tokens * LOGITS_BYTES_PER_VOCAB * shape.vocab,
         qat_copies=w * shape.layer_linear_parameters() * qat_layers if setup.int4_qat else 0,
-        buckets=_buckets(setup, trained),
+        **_cpu_parts(shape, setup, activations, _buckets(shape, setup, trained)),
     )
 
 

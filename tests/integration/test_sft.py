@@ -3,7 +3,9 @@
 - one optimizer step with dynamic micro-batching (2 ranks, ZeRO-2, uneven micro-batch counts
   padded with zero-weight ones) equals one plain-torch step on the whole batch in one process;
 - a run killed mid-way and resumed ends exactly like an uninterrupted one (same seed);
-- ``skyrl sft`` end to end: summary, checkpoints, an HF model that transformers loads.
+- ``skyrl sft`` end to end: summary, checkpoints, an HF model that transformers loads;
+- each trainer rank's peak resident memory in that run within 10% of the estimate on CPU
+  (``skyrl_cli.plan.memory``; larger models: ``benchmarks/bench_memory_estimates.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.run_watch import ProcessMemory
 from tests.integration.cli_runs import ENV, events, run_skyrl
 from tests.recipes import merged, tiny_recipe, write_recipe
 
@@ -137,6 +140,9 @@ RESUMABLE = tiny_recipe(
         "eval_every": 0,
         "save_every": 4,
         "keep_last": 2,
+        # a budget each rank's share of the batch (32 sums) fills: the largest micro-batch is the
+        # one the memory estimate assumes
+        "max_tokens_per_microbatch": 256,
     },
     logging={"log_every": 1},
 )
@@ -170,15 +176,17 @@ def run_until_checkpoint_then_kill(recipe_path: Path, run_dir: Path, step: int) 
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """An uninterrupted ``skyrl sft --json`` run of RESUMABLE: (recipe path, run dir, CLI output)."""
+    """An uninterrupted ``skyrl sft --json`` run of RESUMABLE: (recipe path, run dir, CLI output,
+    the peak resident memory of each process it started)."""
     root = tmp_path_factory.mktemp("straight")
     recipe_path = write_recipe(root / "resumable.toml", RESUMABLE)
-    proc = skyrl("sft", recipe_path, "--run-dir", root / "run", "--json")
-    return recipe_path, root / "run", proc.stdout
+    with ProcessMemory(os.getpid()) as memory:  # this test process's children: the run
+        proc = skyrl("sft", recipe_path, "--run-dir", root / "run", "--json")
+    return recipe_path, root / "run", proc.stdout, memory
 
 
 def test_killed_run_resumes_to_the_same_final_loss(tmp_path, straight_run):
-    recipe_path, straight, _ = straight_run
+    recipe_path, straight, _, _ = straight_run
     interrupted = tmp_path / "interrupted"
     run_until_checkpoint_then_kill(recipe_path, interrupted, step=4)
     assert not (interrupted / "final").exists(), "the run finished before it was killed"
@@ -210,7 +218,7 @@ def test_cli_run_writes_summary_and_a_loadable_model(straight_run):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, run_dir, stdout = straight_run
+    _, run_dir, stdout, _ = straight_run
     last = json.loads(stdout.strip().splitlines()[-1])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert last["summary"]["metrics"] == summary["metrics"]
@@ -236,6 +244,24 @@ def test_cli_run_writes_summary_and_a_loadable_model(straight_run):
     )
     out = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)
     assert out.shape[1] > len(ids)
+
+
+def test_trainer_ranks_resident_memory_is_the_estimate_within_10_percent(straight_run):
+    """What ``skyrl sft --dry-run`` estimates for a CPU rank of this run (its resolved recipe) against
+    each rank's resident high-water mark: at this size mostly the process and its data
+    (``TRAINER_CPU_RUNTIME_BYTES``, ``CPU_BYTES_PER_EXAMPLE``)."""
+    from skyrl_cli.plan.fit import Hardware, estimate
+    from skyrl_cli.plan.shape import trained_shape
+    from skyrl_contracts.schema import Recipe
+
+    _, run_dir, _, memory = straight_run
+    recipe = Recipe.model_validate_json((run_dir / "recipe.resolved.json").read_text())
+    cpu = Hardware(gpus=0, gpu_bytes=None, gpu=None, device="cpu")
+    expected = estimate(recipe, trained_shape(recipe, run_dir), cpu).trainer("sft").memory.peak
+    ranks = [rss for role, _, rss in memory.peaks() if role == "trainer rank"]
+    assert len(ranks) == 2, memory.peaks()
+    for rss in ranks:
+        assert abs(rss / expected - 1) < 0.10, f"measured {rss / 1e9:.3f} GB, estimated {expected / 1e9:.3f} GB"
 
 
 def test_trainer_failure_reports_the_log(tmp_path):

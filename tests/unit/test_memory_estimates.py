@@ -8,8 +8,12 @@ import json
 import pytest
 
 from skyrl_cli.plan.memory import (
+    CPU_BYTES_PER_EXAMPLE,
+    CPU_KEPT_ACTIVATIONS,
     ENGINE_RESERVE_BYTES,
     GIB,
+    TRAINER_CPU_RUNTIME_BYTES,
+    TRAINER_CUDA_RESERVE_BYTES,
     TrainerSetup,
     engine_memory,
     engine_weight_bytes,
@@ -178,3 +182,59 @@ def test_layer_activations_match_what_autograd_saves():
     shape = ModelShape.from_config(config.to_dict())
     expected = tokens * (2 * layer_activation_bytes(shape) + 3 * 2 * shape.hidden + 4 * shape.vocab)
     assert abs(measured / expected - 1) < 0.05, (measured, expected)
+
+
+# ------------------------------------------------------------------------------------------ on CPU
+
+
+def test_a_cpu_rank_by_hand():
+    """The same model states as on a GPU; the bucket only as far as gradients fill it, after the
+    activations (ZeRO-1/2); the process and its data instead of CUDA's reserve; what glibc keeps."""
+    shape = _shape("0.5b")
+    p = PUBLISHED_PARAMETERS["0.5b"]
+    gpu = trainer_rank_memory(shape, TrainerSetup(2, 2, 512, weight_bytes=4))
+    cpu = trainer_rank_memory(shape, TrainerSetup(2, 2, 512, weight_bytes=4, device="cpu", data_examples=1000))
+    assert cpu.model_states == gpu.model_states
+    assert gpu.buckets == 4 * 500_000_000 and gpu.reserve == TRAINER_CUDA_RESERVE_BYTES
+    assert cpu.buckets == 0 and cpu.step_buckets == 4 * p
+    assert cpu.reserve == TRAINER_CPU_RUNTIME_BYTES + 1000 * CPU_BYTES_PER_EXAMPLE
+    assert cpu.allocator == int(CPU_KEPT_ACTIVATIONS * cpu.activations)
+    zero3 = trainer_rank_memory(shape, TrainerSetup(2, 3, 512, weight_bytes=4, device="cpu"))
+    assert zero3.buckets == 4 * (p + 50_000_000)  # the trained parameters' reduction, the prefetched weights
+    assert zero3.allocator == int(CPU_KEPT_ACTIVATIONS * zero3.activations) + 2 * 4 * p  # gathered twice a step
+
+
+# The larger trainer rank's peak resident memory (VmHWM), GB, in short runs of the quickstart
+# recipe on its own model and on the SmolLM2-135M shape: 2 ranks, fp32, 512-token micro-batches;
+# `skyrl sft` (the recipe's 100,000 sums) at each ZeRO stage, `skyrl rl` from its output at ZeRO-2;
+# a 2-core AMD EPYC shared with two other test runs:
+#   python benchmarks/bench_memory_estimates.py --sizes quickstart smollm2-135m --rl
+MEASURED_ON_CPU = {
+    ("quickstart", "sft", 0): 0.579,
+    ("quickstart", "sft", 1): 0.616,
+    ("quickstart", "sft", 2): 0.613,
+    ("quickstart", "sft", 3): 0.630,
+    ("quickstart", "rl", 2): 0.548,
+    ("smollm2-135m", "sft", 0): 4.184,
+    ("smollm2-135m", "sft", 1): 4.523,
+    ("smollm2-135m", "sft", 2): 4.229,
+    ("smollm2-135m", "sft", 3): 5.413,
+    ("smollm2-135m", "rl", 2): 3.952,
+}
+
+
+def _measured_shape(size: str) -> ModelShape:
+    if size == "quickstart":
+        from skyrl_cli.recipe.loader import load_recipe
+
+        model = load_recipe(REPO / "recipes" / "quickstart.toml").model
+        return ModelShape.from_init(model.init, model.tokenizer)
+    return ModelShape.from_config(json.loads((CONFIGS / "smollm2-135m-instruct.json").read_text()))
+
+
+@pytest.mark.parametrize(("size", "stage", "zero"), sorted(MEASURED_ON_CPU))
+def test_cpu_estimate_within_10_percent_of_the_measured_runs(size, stage, zero):
+    rl = stage == "rl"  # the learner: no dataset, no KL reference (the quickstart's kl.coef is 0)
+    setup = TrainerSetup(2, zero, 512, weight_bytes=4, device="cpu", data_examples=0 if rl else 100_000)
+    estimate = trainer_rank_memory(_measured_shape(size), setup).peak
+    assert abs(MEASURED_ON_CPU[size, stage, zero] * 1e9 / estimate - 1) < 0.10, estimate / 1e9
