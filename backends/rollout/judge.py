@@ -37,6 +37,11 @@ class UnparsedVerdict(ValueError):
     """The judge's reply holds no verdict the recipe's parser reads."""
 
 
+# A plain-text judge's template that renders nothing (a template of "{response}" alone, and a
+# response that is empty): nothing to read, so no verdict, and no request.
+EMPTY_PROMPT = "the judge's prompt is empty (rl.judge.template rendered nothing for this response): not asked"
+
+
 class JudgeUnavailable(RuntimeError):
     """The judge's engines did not answer (after retries, or a request they refused)."""
 
@@ -125,19 +130,24 @@ class Judge:
         if reference is not None:
             record["reference_reward"] = reference
         try:
+            if not prompt and not self.chat:  # an engine refuses an empty prompt (HTTP 400)
+                raise UnparsedVerdict(EMPTY_PROMPT)
             reply = await self.ask(prompt)
             record["reply"] = reply
             value = record["verdict"] = parse_verdict(reply, self.config)
         except UnparsedVerdict as exc:
             self.unparsed += 1
             record["error"] = str(exc)
+            self.append(record)
             raise
         except JudgeUnavailable as exc:
             self.errors += 1
             record["error"] = str(exc)
-            raise
-        finally:
             self.append(record)
+            raise
+        # (cancelled: the run ended before the judge answered; the sample is never trained on, so
+        # there is no verdict to count or keep)
+        self.append(record)
         self.verdicts += 1
         if reference is not None:
             self.compared += 1

@@ -321,3 +321,33 @@ def test_the_estimates_count_a_teachers_and_a_judges_engines(tmp_path):
     small = Hardware(8, 12 * GIB, None)  # the 7B teacher's weights alone exceed 0.85 x 12 GiB
     problems = memory_problems(recipe, estimate(recipe, shape, small), small)
     assert [p.path for p in problems if "teacher" in p.message] == [("rl", "distillation", "tensor_parallel")]
+
+
+def test_an_empty_plain_text_prompt_is_not_asked_and_gives_no_verdict(tmp_path):
+    """A template of "{response}" alone and an empty response: an engine would refuse the request
+    (HTTP 400); the judge asks nothing and the episode has no verdict, counted and recorded."""
+    judge, engine = make_judge(tmp_path, [], chat=False, verdict="number", template="{response}")
+    with pytest.raises(UnparsedVerdict, match="prompt is empty"):
+        asyncio.run(judge.verdict("q", "", None))
+    assert engine.bodies == [] and judge.figures()["judge/unparsed"] == 1
+    (record,) = records(tmp_path)
+    assert record["prompt"] == "" and record["reply"] is None and "prompt is empty" in record["error"]
+
+
+def test_a_request_cancelled_at_the_end_of_a_run_is_neither_counted_nor_recorded(tmp_path):
+    judge, _ = make_judge(tmp_path, [])
+
+    async def cancelled() -> None:
+        async def never_answers(path, body):
+            await asyncio.sleep(3600)
+
+        judge.engines.post = never_answers
+        task = asyncio.create_task(judge.verdict("q", "r", "a"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    assert judge.figures() == {"judge/verdicts": 0, "judge/unparsed": 0, "judge/errors": 0}
+    assert not (tmp_path / "verdicts.jsonl").exists()
