@@ -25,6 +25,7 @@ Why not the ``vllm`` console script:
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import signal
 import sys
@@ -58,8 +59,6 @@ COMPILE_DISABLE_ENV = "TORCH_COMPILE_DISABLE"
 def served_vocab_size(argv: list[str]) -> int | None:
     """``vocab_size`` from the config.json of the model this engine serves (``argv[1]``); None when it
     cannot be read."""
-    import json
-
     try:
         config = json.loads((Path(argv[1]) / "config.json").read_text())
     except (IndexError, OSError, ValueError):
