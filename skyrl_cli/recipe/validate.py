@@ -145,12 +145,25 @@ def missing_files(data: dict[str, Any], base_dir: Path) -> list[Problem]:
         problem = _path_problem(value, base_dir) if isinstance(value, str) and value not in keywords else None
         if problem is None and path in DATA_KEYS and isinstance(value, str):
             problem = _data_file_problem(resolve_path(value, base_dir))
+        if problem and path in AUXILIARY_MODEL_KEYS and written_by_own_sft(resolve_path(value, base_dir), data):
+            problem = None  # skyrl_cli.stages.local.ensure_auxiliary_models checks it when RL starts
         if problem:
             problems.append(Problem(path, problem))
     return problems
 
 
 DATA_KEYS = (("data", "train"), ("data", "eval"))
+AUXILIARY_MODEL_KEYS = (("rl", "distillation", "teacher"), ("rl", "judge", "model"))
+
+
+def written_by_own_sft(path: Path, data: dict[str, Any]) -> bool:
+    """``path`` is the final model of this recipe's own SFT stage (``run:<name>/sft``): missing
+    before that stage has run, there when the RL stage after it starts. (A teacher or a judge
+    trained by the recipe's SFT stage, for a student that starts elsewhere.)"""
+    name = data.get("name")
+    if not isinstance(data.get("sft"), dict) or not isinstance(name, str):
+        return False
+    return path == resolve_path(f"{RUN_OUTPUT_PREFIX}{name}/sft", Path.cwd())
 
 
 def _data_file_problem(path: Path) -> str | None:

@@ -17,11 +17,13 @@ from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.metrics.follow import FollowedRun
 from skyrl_cli.plan.build import build_plan
 from skyrl_cli.plan.rl import init_model_dir
+from skyrl_cli.recipe.validate import run_output_hint
 from skyrl_cli.stages.job import run_job
 from skyrl_cli.stages.output import output_sinks, print_estimates, print_plan
 from skyrl_cli.stages.pool import attach_engines, explain_choice, held, pick_pool, start_on_pool
 from skyrl_cli.stages.results import initial_and_final_accuracy, publish_final_int4, publish_final_model
 from skyrl_contracts.atomic import remove_leftovers
+from skyrl_contracts.auxiliary import auxiliary_models
 from skyrl_contracts.errors import LaunchError, UsageError
 from skyrl_contracts.events import EventWriter
 from skyrl_contracts.rundir import RunDir
@@ -84,6 +86,7 @@ def rl_here(request: StageRequest) -> dict | None:
         if pool is not None and request.mode != "json":
             typer.echo(f"rl: using engine pool {pool.name} (--pool none for engines of the run's own)", err=True)
         ensure_initial_policy(request.recipe, request.mode)
+        ensure_auxiliary_models(request.recipe)
         return run_rl(
             request.recipe,
             plan,
@@ -119,6 +122,15 @@ def ensure_initial_policy(recipe, mode) -> None:
         overwrite=False,
         interrupt_hints={"resume_hint": again, "restart_hint": again},
     )
+
+
+def ensure_auxiliary_models(recipe) -> None:
+    """A teacher or judge that validation let through because this recipe's SFT stage writes it
+    (``skyrl_cli.recipe.validate.written_by_own_sft``) must be there once that stage has run."""
+    for model in auxiliary_models(recipe):
+        path = Path(model.model)
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{model.dotted()}: no model at {path}{run_output_hint(path)}")
 
 
 def clear_exchange(run_dir: RunDir) -> None:

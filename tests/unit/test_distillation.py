@@ -112,6 +112,28 @@ def test_a_missing_teacher_is_a_missing_file(tmp_path):
         load_feasible_recipe(write(tmp_path / "r.toml"), machine=CPU2)
 
 
+def test_a_teacher_the_recipes_own_sft_stage_writes_passes_until_the_rl_stage_starts(tmp_path, monkeypatch):
+    """``teacher = "run:t/sft"`` in recipe "t" with an [sft] section: `skyrl sft` writes it, so
+    validation lets it through (it said "run skyrl sft first", and `skyrl sft` refused the recipe);
+    the RL stage checks it is there when it starts."""
+    from skyrl_cli.stages.local import ensure_auxiliary_models
+    from skyrl_contracts.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    model_dir(tmp_path / "student", VOCAB)
+    own = write(tmp_path / "r.toml").read_text().replace('teacher = "teacher"', 'teacher = "run:t/sft"')
+    (tmp_path / "r.toml").write_text(own + "[sft]\nsteps = 10\n")
+    loaded = load_feasible_recipe(tmp_path / "r.toml", machine=CPU2)
+    with pytest.raises(UsageError, match=r"rl.distillation.teacher: no model at .*runs/t/sft/final; run `skyrl sft`"):
+        ensure_auxiliary_models(loaded)
+    model_dir(tmp_path / "runs/t/sft/final", VOCAB)
+    ensure_auxiliary_models(loaded)  # written by then
+    # without an [sft] section nothing would write it: a missing file, as before
+    (tmp_path / "other.toml").write_text(own.replace('name = "t"', 'name = "u"').replace("run:t/sft", "run:u/sft"))
+    with pytest.raises(RecipeError, match=r"rl.distillation.teacher: file not found: run:u/sft"):
+        load_feasible_recipe(tmp_path / "other.toml", machine=CPU2)
+
+
 def test_feasibility_counts_the_teacher_engines_and_its_positions(tmp_path):
     messages = lambda r, m: [f"{'.'.join(p.path)}: {p.message}" for p in feasibility_problems(r, m, tmp_path)]  # noqa: E731
     r = recipe({"engines": 2, "tensor_parallel": 1}, trainer={"ranks": 1}, inference={"engines": 2})
