@@ -7,7 +7,8 @@ start in a short ``skyrl rl`` run from the SFT run's model.
   models with a real model's config (``make_shape_model.py``): SmolLM2-135M and Qwen2.5-0.5B;
 - the recipe: the quickstart's, on that model, with a token budget the batch fills (so the largest
   micro-batch is the budget the estimate assumes) and a few steps;
-- a case whose estimate (2 ranks) does not fit the memory available now is refused, not run;
+- a case whose estimate (2 ranks, plus the 10% it may be off) does not fit the memory available
+  now is refused, not run;
 - a rank's peak: the kernel's high-water mark of its resident set (``VmHWM``), read while it runs
   (``run_watch.ProcessMemory``); the estimate: ``RankMemory.peak`` on CPU for the run's resolved
   recipe.
@@ -161,11 +162,12 @@ def run_stage(args, stage: str, recipe: Path, run_dir: Path, sets: list[str]) ->
 def measure(args, size: str, stage: str, zero: int, recipe: Path, run_dir: Path, sets: list[str]) -> Case:
     sets = [*sets, f"trainer.zero_stage={zero}", "trainer.ranks=2"]
     rank, _ = estimate(recipe, stage, sets)
-    if 2 * rank.peak > available_bytes():
+    # the estimate may be 10% short: the 0.5B shape's ZeRO-2 ranks passed 11.9 GB (10.7 estimated)
+    # with 22.4 GB free, and were stopped with 0.4 GB left
+    if 2 * rank.peak * (1 + TOLERANCE) > available_bytes():
         free = available_bytes() / 1e9
-        return Case(
-            size, stage, zero, rank.peak, [], f"refused: 2 ranks x {rank.peak / 1e9:.2f} GB > {free:.1f} GB free"
-        )
+        why = f"refused: 2 ranks x {rank.peak / 1e9:.2f} GB + 10% > {free:.1f} GB free"
+        return Case(size, stage, zero, rank.peak, [], why)
     started = time.monotonic()
     peaks, _ = run_stage(args, stage, recipe, run_dir, sets)
     return Case(size, stage, zero, rank.peak, peaks, f"{time.monotonic() - started:.0f} s")
