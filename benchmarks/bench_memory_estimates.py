@@ -71,6 +71,7 @@ class Case:
     estimate: int  # bytes, one rank
     measured: list[int]  # each rank's peak, bytes (empty: refused)
     note: str = ""
+    failed: bool = False
 
     @property
     def ratio(self) -> float | None:
@@ -145,6 +146,10 @@ def available_bytes() -> int:
 # ------------------------------------------------------------------------------ runs
 
 
+class RunFailed(Exception):
+    pass
+
+
 def run_stage(args, stage: str, recipe: Path, run_dir: Path, sets: list[str]) -> tuple[list[int], str]:
     """``skyrl <stage>`` as a user runs it; each trainer rank's peak resident bytes and the output."""
     argv = [args.skyrl, stage, str(recipe), "--run-dir", str(run_dir), "--overwrite", "--quiet"]
@@ -154,7 +159,7 @@ def run_stage(args, stage: str, recipe: Path, run_dir: Path, sets: list[str]) ->
     with ProcessMemory(proc.pid) as memory:
         output, _ = proc.communicate()
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed (exit {proc.returncode}):\n" + "\n".join(output.splitlines()[-12:]))
+        raise RunFailed(f"{' '.join(argv)} failed (exit {proc.returncode}):\n" + "\n".join(output.splitlines()[-12:]))
     role = "trainer rank" if stage == "sft" else "learner rank"
     return [rss for name, _, rss in memory.peaks() if name == role], output
 
@@ -169,7 +174,11 @@ def measure(args, size: str, stage: str, zero: int, recipe: Path, run_dir: Path,
         why = f"refused: 2 ranks x {rank.peak / 1e9:.2f} GB + 10% > {free:.1f} GB free"
         return Case(size, stage, zero, rank.peak, [], why)
     started = time.monotonic()
-    peaks, _ = run_stage(args, stage, recipe, run_dir, sets)
+    try:
+        peaks, _ = run_stage(args, stage, recipe, run_dir, sets)
+    except RunFailed as failure:  # the other cases still run; this one counts as off
+        print(failure, file=sys.stderr)
+        return Case(size, stage, zero, rank.peak, [], "FAILED (see above)", failed=True)
     return Case(size, stage, zero, rank.peak, peaks, f"{time.monotonic() - started:.0f} s")
 
 
@@ -234,7 +243,7 @@ def main(argv=None) -> int:
         engine["ratio"] = ratio
     if args.json:
         args.json.write_text(json.dumps({"ranks": [vars(c) for c in cases], "engines": engines}, indent=1))
-    bad = [c for c in cases if off(c.ratio)] + [e for e in engines if off(e["ratio"]) or e["vllm"] is None]
+    bad = [c for c in cases if c.failed or off(c.ratio)] + [e for e in engines if off(e["ratio"]) or e["vllm"] is None]
     if bad:
         print(f"\n{len(bad)} case(s) off by more than {TOLERANCE:.0%}")
     return 1 if bad else 0
