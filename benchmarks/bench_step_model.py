@@ -42,18 +42,18 @@ from skyrl_cli.plan.shape import ModelShape, config_json  # noqa: E402
 from skyrl_contracts.schema import Recipe  # noqa: E402
 
 
-def matmul_flops(dtype: str, threads: int, n: int = 1024, seconds: float = 1.0) -> float:
-    """FLOP/s of ``n x n`` matrix products in ``dtype`` on ``threads`` threads (the best of a few
-    timed rounds of about ``seconds``)."""
+def matmul_flops(dtype: str, threads: int, n: int = 1024, seconds: float = 3.0) -> float:
+    """FLOP/s of ``n x n`` matrix products in ``dtype`` on ``threads`` threads: the best of 6 timed
+    rounds over about ``seconds`` (a core's bf16 rate with AMX varied 2x between single rounds)."""
     import torch
 
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
     torch.mm(a, b)
     best = 0.0
-    for _ in range(3):
+    for _ in range(6):
         count, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds / 3:
+        while time.perf_counter() - started < seconds / 6:
             torch.mm(a, b)
             count += 1
         best = max(best, 2 * n**3 * count / (time.perf_counter() - started))
@@ -107,10 +107,11 @@ def measured_phases(run_dir: Path) -> dict[str, float]:
 def compare(run_dir: Path) -> None:
     recipe = Recipe.model_validate(json.loads((run_dir / "recipe.resolved.json").read_text()))
     plan = json.loads((run_dir / "plan.json").read_text())
-    config = config_json(run_dir / "engine-model") or config_json(run_dir / "final")
+    # the trained model's shape (a tied head once: the engines' copy is untied, the planner's shape is not)
+    config = config_json(run_dir / "final") or config_json(Path(recipe.rl.init_from))
     shape = ModelShape.from_config(config) if config else None
     if shape is None:
-        raise SystemExit(f"{run_dir}: no Llama-like config.json in engine-model/ or final/")
+        raise SystemExit(f"{run_dir}: no Llama-like config.json in final/ or at rl.init_from")
     threads, trainer_dtype, engine_dtype = run_threads(plan)
     measured = measured_phases(run_dir)
     bandwidth = copy_bytes_per_s(1)
