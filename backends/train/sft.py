@@ -96,8 +96,6 @@ class SFTTrainer:
             raise SystemExit("LoRA with ZeRO-3 is not supported; use trainer.zero_stage <= 2")
         self.dist = init_distributed(self.trainer.device)
         self.events = open_events(run_dir, self.dist)
-        if self.events:
-            self.events.log(0, {"progress/total_steps": self.sft.steps})
         self.started = time.perf_counter()
         self._load_data()
         self._build_engine()
@@ -109,6 +107,8 @@ class SFTTrainer:
             f"trainer ready: world {self.dist.world_size}, ZeRO-{self.trainer.zero_stage}, {self.sft.micro_batching} "
             f"micro-batching ({self.layout_kind}), device {self.dist.device}, start-up {time.perf_counter() - self.started:.1f}s"
         )
+        if self.events:  # ready to step: where summary.json's start-up ends (skyrl_cli.metrics.summary.time_split)
+            self.events.log(0, {"progress/total_steps": self.sft.steps})
 
     def say(self, msg: str) -> None:
         say(self.dist, msg)
