@@ -51,10 +51,16 @@ LOCK="$ROOT/requirements/lock-cpu.txt"
 lock=()
 if [[ ",$EXTRAS," == *",cpu,"* && -z "${SKYRL_NO_LOCK:-}" ]]; then lock=(-c "$LOCK"); fi
 
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$LOCK" | sha256sum | cut -d' ' -f1) $EXTRAS ${lock[*]}"
+# The checkout is part of the stamp: skyrl is installed editable, so a venv shared by two checkouts
+# (SKYRL_VENV) serves the one that ran this script last, and the other one's skyrl stops importing.
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$LOCK" | sha256sum | cut -d' ' -f1) $EXTRAS ${lock[*]} $ROOT"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/skyrl" ]]; then
     echo "setup: $VENV is up to date"
     exit 0
+fi
+served="$(sed -n 's/.* \(\/.*\)$/\1/p' "$STAMP" 2>/dev/null || true)"
+if [[ -n "$served" && "$served" != "$ROOT" && -d "$served" ]]; then
+    echo "setup: warning: $VENV served the checkout $served; it serves $ROOT from now on (run scripts/setup.sh there to switch back, or give each checkout its own SKYRL_VENV)" >&2
 fi
 
 started=$SECONDS
