@@ -7,8 +7,8 @@ start in a short ``skyrl rl`` run from the SFT run's model.
   models with a real model's config (``make_shape_model.py``): SmolLM2-135M and Qwen2.5-0.5B;
 - the recipe: the quickstart's, on that model, with a token budget the batch fills (so the largest
   micro-batch is the budget the estimate assumes) and a few steps;
-- a case whose estimate (2 ranks, plus the 10% it may be off) does not fit the memory available
-  now is refused, not run;
+- a case whose estimate (2 ranks) does not fit the memory available now is refused, not run; a
+  run that leaves less than ``LOW_FREE_BYTES`` free is stopped, and its peak is a lower bound;
 - a rank's peak: the kernel's high-water mark of its resident set (``VmHWM``), read while it runs
   (``run_watch.ProcessMemory``); the estimate: ``RankMemory.peak`` on CPU for the run's resolved
   recipe.
@@ -44,8 +44,12 @@ SIZES = {
     "qwen2.5-0.5b": CONFIGS / "qwen2.5-0.5b-instruct.json",
 }
 TOLERANCE = 0.10
-# Left free for everything else on the machine when deciding whether a case fits.
-HEADROOM_BYTES = 2 * 2**30
+# Left free for everything else on the machine when deciding whether a case fits (the run is
+# stopped anyway if it goes over, below).
+HEADROOM_BYTES = 2**30
+# A run is stopped when the machine has less than this free (before the kernel's OOM killer picks a
+# process, maybe not the run's): what it reached is then at least its peak.
+LOW_FREE_BYTES = 600 * 2**20
 # vLLM's start-up line: "CPU KV cache size: 65,536 tokens, Maximum concurrency ..."
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -72,10 +76,14 @@ class Case:
     measured: list[int]  # each rank's peak, bytes (empty: refused)
     note: str = ""
     failed: bool = False
+    stopped: bool = False  # out of memory: the measured peaks are lower bounds
+    phase: str = ""  # when the estimate peaks (RankMemory.peak_phase)
 
     @property
     def ratio(self) -> float | None:
-        return max(self.measured) / self.estimate if self.measured else None
+        if not self.measured or (self.stopped and max(self.measured) <= self.estimate * (1 + TOLERANCE)):
+            return None  # stopped short of the estimate (and its 10%): no verdict either way
+        return max(self.measured) / self.estimate
 
 
 # ------------------------------------------------------------------------------ recipes
@@ -104,7 +112,11 @@ def write_recipe(size: str, model: Path | None, args, out: Path) -> Path:
     recipe["name"] = f"memory-{size}"
     if model is not None:
         recipe["model"] = {"path": str(model)}
-    recipe["data"].update(eval_size=16)  # the final evaluation: a few sums, not 500
+    # the final evaluation: a few sums, not 500; no sequence longer than the budget, so that the
+    # largest micro-batch the estimate assumes (the budget, or one sequence of data.max_length /
+    # inference.max_model_len when that is longer) is the budget the batch fills
+    recipe["data"].update(eval_size=16, max_length=args.budget)
+    recipe.setdefault("inference", {})["max_model_len"] = args.budget
     recipe["sft"].update(
         steps=args.steps,
         batch_size=2 * args.budget // 8,
@@ -150,36 +162,58 @@ class RunFailed(Exception):
     pass
 
 
-def run_stage(args, stage: str, recipe: Path, run_dir: Path, sets: list[str]) -> tuple[list[int], str]:
-    """``skyrl <stage>`` as a user runs it; each trainer rank's peak resident bytes and the output."""
+class StopWhenMemoryRunsOut(ProcessMemory):
+    """``ProcessMemory`` that also stops the run (SIGTERM to ``skyrl``) when the machine's free memory
+    falls under ``LOW_FREE_BYTES``."""
+
+    def __init__(self, proc: subprocess.Popen):
+        super().__init__(proc.pid)
+        self.proc, self.stopped = proc, False
+
+    def look(self) -> None:
+        import psutil  # lazy: as ProcessMemory
+
+        super().look()
+        if not self.stopped and psutil.virtual_memory().available < LOW_FREE_BYTES:
+            self.stopped = True
+            self.proc.terminate()
+
+
+def run_stage(args, stage: str, recipe: Path, run_dir: Path, sets: list[str]) -> tuple[list[int], bool]:
+    """``skyrl <stage>`` as a user runs it; each trainer rank's peak resident bytes, and whether the
+    run was stopped because memory ran out."""
     argv = [args.skyrl, stage, str(recipe), "--run-dir", str(run_dir), "--overwrite", "--quiet"]
     for item in sets:
         argv += ["--set", item]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    with ProcessMemory(proc.pid) as memory:
+    with StopWhenMemoryRunsOut(proc) as memory:
         output, _ = proc.communicate()
-    if proc.returncode != 0:
-        raise RunFailed(f"{' '.join(argv)} failed (exit {proc.returncode}):\n" + "\n".join(output.splitlines()[-12:]))
     role = "trainer rank" if stage == "sft" else "learner rank"
-    return [rss for name, _, rss in memory.peaks() if name == role], output
+    peaks = [rss for name, _, rss in memory.peaks() if name == role]
+    if proc.returncode != 0 and not memory.stopped:
+        raise RunFailed(f"{' '.join(argv)} failed (exit {proc.returncode}):\n" + "\n".join(output.splitlines()[-12:]))
+    return peaks, memory.stopped
 
 
 def measure(args, size: str, stage: str, zero: int, recipe: Path, run_dir: Path, sets: list[str]) -> Case:
     sets = [*sets, f"trainer.zero_stage={zero}", "trainer.ranks=2"]
     rank, _ = estimate(recipe, stage, sets)
-    # the estimate may be 10% short: the 0.5B shape's ZeRO-2 ranks passed 11.9 GB (10.7 estimated)
-    # with 22.4 GB free, and were stopped with 0.4 GB left
-    if 2 * rank.peak * (1 + TOLERANCE) > available_bytes():
+    phase = rank.peak_phase
+    if 2 * rank.peak > available_bytes():
         free = available_bytes() / 1e9
-        why = f"refused: 2 ranks x {rank.peak / 1e9:.2f} GB + 10% > {free:.1f} GB free"
-        return Case(size, stage, zero, rank.peak, [], why)
+        why = f"refused: 2 ranks x {rank.peak / 1e9:.2f} GB > {free:.1f} GB free"
+        return Case(size, stage, zero, rank.peak, [], why, phase=phase)
     started = time.monotonic()
     try:
-        peaks, _ = run_stage(args, stage, recipe, run_dir, sets)
+        peaks, stopped = run_stage(args, stage, recipe, run_dir, sets)
     except RunFailed as failure:  # the other cases still run; this one counts as off
         print(failure, file=sys.stderr)
-        return Case(size, stage, zero, rank.peak, [], "FAILED (see above)", failed=True)
-    return Case(size, stage, zero, rank.peak, peaks, f"{time.monotonic() - started:.0f} s")
+        return Case(size, stage, zero, rank.peak, [], "FAILED (see above)", failed=True, phase=phase)
+    took = f"{time.monotonic() - started:.0f} s"
+    if stopped:
+        note = f"stopped after {took}: out of memory (at least)"
+        return Case(size, stage, zero, rank.peak, peaks, note, stopped=True, phase=phase)
+    return Case(size, stage, zero, rank.peak, peaks, took, phase=phase)
 
 
 def kv_cache_tokens(run_dir: Path) -> int | None:
@@ -203,7 +237,7 @@ def run_size(args, size: str, out: Path) -> tuple[list[Case], list[dict]]:
         print(row(case), flush=True)
         cases.append(case)
     if args.rl:
-        sft_dir = next((out / f"{size}-sft-{c.zero}" for c in cases if c.measured), None)
+        sft_dir = next((out / f"{size}-sft-{c.zero}" for c in cases if c.measured and not c.stopped), None)
         if sft_dir is not None:
             sets = [f"rl.init_from={sft_dir / 'final'}"]
             case = measure(args, size, "rl", 2, recipe, out / f"{size}-rl", sets)
@@ -220,7 +254,8 @@ def run_size(args, size: str, out: Path) -> tuple[list[Case], list[dict]]:
 def row(case: Case) -> str:
     measured = ", ".join(f"{b / 1e9:.3f}" for b in case.measured) or "-"
     ratio = f"{case.ratio:.3f}x" if case.ratio is not None else "-"
-    return f"  {case.size:14s} {case.stage:4s} ZeRO-{case.zero}  {case.estimate / 1e9:9.3f}  {measured:>14s}  {ratio:>7s}  {case.note}"
+    estimate = f"{case.estimate / 1e9:.3f} (at {case.phase})"
+    return f"  {case.size:14s} {case.stage:4s} ZeRO-{case.zero}  {estimate:>36s}  {measured:>14s}  {ratio:>7s}  {case.note}"
 
 
 def off(ratio: float | None) -> bool:

@@ -204,7 +204,10 @@ def memory_estimate(model, micro, kind: str, bf16: bool) -> dict[str, str]:
     estimate = trainer_rank_memory(shape, setup)
     allocated = estimate.peak - estimate.reserve
     return {
-        "estimate": f"{allocated / 2**30:.2f} GiB allocated (+{estimate.reserve / 2**30:.1f} GiB CUDA and NCCL reserve)",
+        "estimate": (
+            f"{allocated / 2**30:.2f} GiB allocated at {estimate.peak_phase} "
+            f"(+{estimate.reserve / 2**30:.1f} GiB CUDA and NCCL reserve)"
+        ),
         "measured / estimate": f"{torch.cuda.max_memory_allocated() / allocated:.2f}",
     }
 

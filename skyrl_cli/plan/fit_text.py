@@ -57,7 +57,7 @@ def trainer_lines(est: Estimate, hardware: Hardware) -> list[str]:
             f"micro-batch {setup.micro_batch_tokens} tokens): {_gib(memory.peak)} GiB{_verdict(memory.peak, hardware)}"
         )
         parts = " + ".join(f"{name} {_gib(value)}" for name, value in memory.parts())
-        lines += [head, f"  {parts}"]
+        lines += [head, f"  at {memory.peak_phase}: {parts}"]
         if not setup.gradient_checkpointing:
             lines.append(
                 f"  activations with trainer.gradient_checkpointing = true: {_gib(memory.activations_checkpointed)}"

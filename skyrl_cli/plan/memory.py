@@ -31,6 +31,24 @@ Activations are the tensors autograd saves for backward, per token of the larges
 counted for the HF Llama/Qwen decoder layer with SDPA attention (checked against torch's
 saved-tensor hooks in ``tests/unit/test_memory_estimates.py``), plus the logits of the loss.
 
+The peak is the largest of three moments of a step, each with what is alive then
+(``RankMemory.backward_peak``, ``reduction_peak``, ``step_peak``), and each with a transient
+that the model states do not count:
+
+- backward: the embedding's gradient (and a tied head's, held from the start of backward until the
+  embedding adds its own) is computed whole before it is accumulated or reduced, whatever the stage;
+- the reduction (several ranks, ZeRO 0-2, once backward is done): DeepSpeed flattens the gradients
+  it reduces into one more copy (``allreduce_bucket``: up to ``reduce_bucket_size`` elements, all of
+  them at 2 and 4 ranks); ZeRO-1/2 build their fp32 gradient partition only later, at the step;
+- the step: AdamW's temporaries: on CUDA torch's foreach path keeps one fp32 copy of every tensor
+  stepped at once (the sqrt of the second moments); on CPU its single-tensor path keeps two of the
+  largest tensor (ZeRO-1/2 step one flat partition; ZeRO-3 one sub-group). ZeRO-2 with fp32
+  weights holds one gradient partition then: it flattens it into its fp32 copy and lets it go.
+
+Measured on CPU, each phase's resident peak of a 2-rank ZeRO-0/1/2 step of the Qwen2.5-0.5B shape
+and the SmolLM2-135M shape at 2 and 4 ranks (benchmarks/RESULTS.md, "Memory estimates against CPU
+runs"); on GPUs the same code runs (NCCL instead of gloo), not yet measured there.
+
 On CPU (``TrainerSetup.device = "cpu"``: a rank's resident memory, checked against runs by
 ``benchmarks/bench_memory_estimates.py``) three things differ from a GPU: the process itself
 (interpreter, libraries; an SFT rank's tokenized data) takes the place of CUDA's context
@@ -144,8 +162,13 @@ class RankMemory:
     buckets: int  # DeepSpeed's gradient reduction bucket (ZeRO-3: and its prefetch bucket)
     reserve: int = field(default=TRAINER_CUDA_RESERVE_BYTES)  # CUDA + NCCL; on CPU the process itself
     activations_checkpointed: int = 0  # what the activations would be with gradient checkpointing
-    step_buckets: int = 0  # CPU, ZeRO-1/2: the bucket, resident once activations are gone
+    step_buckets: int = 0  # CPU, ZeRO-1/2: the bucket, resident once activations are gone (the reduction)
     allocator: int = 0  # CPU: freed tensors glibc keeps in its heap
+    embedding_gradients: int = 0  # backward: the embedding's (and a tied head's) gradient, whole
+    reduce_copy: int = 0  # several ranks, ZeRO 0-2: the gradients flattened to reduce them
+    optimizer_temps: int = 0  # the step: AdamW's temporaries
+    zero_stage: int = 0
+    weight_bytes: int = 2
     device: str = "cuda"
 
     @property
@@ -156,36 +179,60 @@ class RankMemory:
         states = self.weights + self.gradients + self.fp32_gradients + self.master_weights + self.optimizer
         return states + max(self.zero3_gathered, self.zero3_step)
 
-    @property
-    def backward_peak(self) -> int:
-        """Everything alive at the end of forward, when backward starts."""
-        states = self.weights + self.gradients + self.fp32_gradients + self.master_weights + self.optimizer
-        live = self.zero3_gathered + self.activations + self.logits + self.qat_copies
-        return states + live + self.reference + self.buckets + self.reserve + self.allocator
-
-    @property
-    def peak(self) -> int:
-        step = self.model_states + self.reference + self.buckets + self.step_buckets + self.reserve + self.allocator
-        return max(self.backward_peak, step)
-
-    def parts(self) -> list[tuple[str, int]]:
-        """``(name, bytes)`` of each part that is not zero, in the order a reader adds them up."""
-        named = [
+    def phases(self) -> dict[str, list[tuple[str, int]]]:
+        """The moments of a step whose largest total is the peak, each ``(name, bytes)`` of what is
+        alive then: backward's start (the activations) with the embedding's gradient, the gradient
+        reduction on several ranks (ZeRO 0-2; empty otherwise), and the optimizer step."""
+        states = [
             ("weights", self.weights),
             ("gradients", self.gradients),
             ("fp32 gradients", self.fp32_gradients),
             ("master weights", self.master_weights),
             ("Adam states", self.optimizer),
-            ("ZeRO-3 gathered", max(self.zero3_gathered, self.zero3_step)),
+        ]
+        rest = [
             ("KL reference", self.reference),
-            ("activations", self.activations),
-            ("logits", self.logits),
-            ("QAT copies", self.qat_copies),
-            ("DeepSpeed buckets", self.buckets + self.step_buckets),
             ("freed, kept by malloc", self.allocator),
             ("CUDA + NCCL" if self.device == "cuda" else "Python, libraries, data", self.reserve),
         ]
-        return [(name, value) for name, value in named if value]
+        backward = [
+            ("ZeRO-3 gathered", self.zero3_gathered),
+            ("activations", self.activations),
+            ("logits", self.logits),
+            ("QAT copies", self.qat_copies),
+            ("embedding gradient", self.embedding_gradients),
+            ("DeepSpeed buckets", self.buckets),
+        ]
+        # ZeRO-1/2 make their fp32 gradient partition only at the step
+        reduced = [part for part in states if self.zero_stage == 0 or part[0] != "fp32 gradients"]
+        reduction = [("DeepSpeed buckets", self.buckets + self.step_buckets), ("reduction copy", self.reduce_copy)]
+        # ZeRO-2 flattens fp32 gradients into its fp32 partition and lets them go: one copy at the step
+        stepped = [
+            part for part in states if not (self.zero_stage == 2 and self.weight_bytes == 4) or part[0] != "gradients"
+        ]
+        step = [
+            ("ZeRO-3 gathered", max(self.zero3_gathered, self.zero3_step)),
+            ("DeepSpeed buckets", self.buckets),
+            ("AdamW temporaries", self.optimizer_temps),
+        ]
+        return {
+            "the start of backward": states + backward + rest,
+            "the gradient reduction": reduced + reduction + rest if self.reduce_copy else [],
+            "the optimizer step": stepped + step + rest,
+        }
+
+    @property
+    def peak_phase(self) -> str:
+        totals = {name: sum(value for _, value in parts) for name, parts in self.phases().items()}
+        return max(totals, key=totals.get)  # the first of equal totals
+
+    @property
+    def peak(self) -> int:
+        return sum(value for _, value in self.phases()[self.peak_phase])
+
+    def parts(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of each part of the peak that is not zero, in the order a reader adds them up."""
+        return [(name, value) for name, value in self.phases()[self.peak_phase] if value]
 
 
 def _model_states(shape: ModelShape, setup: TrainerSetup, trained: int) -> dict[str, int]:
@@ -254,6 +301,37 @@ def _cpu_parts(shape: ModelShape, setup: TrainerSetup, activations: int, buckets
     }
 
 
+def _transients(shape: ModelShape, setup: TrainerSetup, trained: int) -> dict[str, int]:
+    """What a step allocates for a moment besides the model states (see the module's doc)."""
+    full, n, stage, w = setup.lora_rank is None, setup.ranks, setup.zero_stage, setup.weight_bytes
+    offloaded = setup.offload != "none"
+    # the embedding trains in a full fine-tune only; a tied head adds its gradient to the same matrix
+    embedding = w * shape.vocab * shape.hidden * (2 if shape.tied else 1) if full else 0
+    reduce = 0
+    if n > 1 and stage <= 2 and not offloaded:
+        reduce = (4 if stage == 1 else w) * min(DEEPSPEED_REDUCE_BUCKET, trained)
+    if offloaded:
+        stepped = 0  # the optimizer steps in CPU memory
+    elif stage == 0:
+        stepped = trained
+    elif stage == 3:
+        stepped = min(DEEPSPEED_SUB_GROUP, trained // n)
+    else:
+        stepped = trained // n
+    if setup.device == "cpu":  # torch's single-tensor AdamW: two temporaries of one tensor at a time
+        largest = min(trained, shape.largest_module_parameters()) if stage == 0 else stepped
+        temps = 2 * 4 * largest
+    else:  # the foreach path: one fp32 temporary of everything stepped together
+        temps = 4 * stepped
+    return {
+        "embedding_gradients": embedding,
+        "reduce_copy": reduce,
+        "optimizer_temps": temps,
+        "zero_stage": stage,
+        "weight_bytes": w,
+    }
+
+
 def activation_bytes(shape: ModelShape, setup: TrainerSetup, checkpointed: bool) -> int:
     """Saved activations of the largest micro-batch (without the logits). Checkpointed: each layer's
     input, and one layer's activations recomputed at a time during backward."""
@@ -281,6 +359,7 @@ def trainer_rank_memory(shape: ModelShape, setup: TrainerSetup) -> RankMemory:
         logits=tokens * LOGITS_BYTES_PER_VOCAB * shape.vocab,
         qat_copies=w * shape.layer_linear_parameters() * qat_layers if setup.int4_qat else 0,
         **_cpu_parts(shape, setup, activations, _buckets(shape, setup, trained)),
+        **_transients(shape, setup, trained),
     )
 
 
