@@ -283,18 +283,20 @@ def _buckets(shape: ModelShape, setup: TrainerSetup, trained: int) -> int:
     return (4 if setup.zero_stage == 1 else setup.weight_bytes) * elements
 
 
-def _cpu_parts(shape: ModelShape, setup: TrainerSetup, activations: int, buckets: int) -> dict[str, int]:
-    """What a CPU rank has instead of CUDA's reserve (``TRAINER_CPU_RUNTIME_BYTES``), its bucket
-    (ZeRO-1/2: after the activations), and what glibc keeps of freed tensors: a share of the
-    activations and, under ZeRO-3, the weights gathered in forward and again in backward."""
+def _device_parts(shape: ModelShape, setup: TrainerSetup, activations: int, buckets: int) -> dict[str, int]:
+    """Where the device changes a rank's parts. On a GPU: DeepSpeed's buckets as allocated, and the
+    default reserve (CUDA and NCCL). On CPU: the process itself instead of CUDA's reserve
+    (``TRAINER_CPU_RUNTIME_BYTES``), the bucket of ZeRO-1/2 once the activations are gone (the
+    reduction), and what glibc keeps of freed tensors: a share of the activations and, under
+    ZeRO-3, the weights gathered in forward and again in backward."""
     if setup.device != "cpu":
         return {"buckets": buckets}
     gathered = 2 * setup.weight_bytes * shape.parameters() if setup.zero_stage == 3 else 0
     kept = int(CPU_KEPT_ACTIVATIONS * activations) + gathered
-    in_step = setup.zero_stage in (1, 2)
+    reduced_after_backward = setup.zero_stage in (1, 2)
     return {
-        "buckets": 0 if in_step else buckets,
-        "step_buckets": buckets if in_step else 0,
+        "buckets": 0 if reduced_after_backward else buckets,
+        "step_buckets": buckets if reduced_after_backward else 0,
         "allocator": kept,
         "reserve": TRAINER_CPU_RUNTIME_BYTES + CPU_BYTES_PER_EXAMPLE * setup.data_examples,
         "device": "cpu",
@@ -358,7 +360,7 @@ def trainer_rank_memory(shape: ModelShape, setup: TrainerSetup) -> RankMemory:
         activations_checkpointed=activation_bytes(shape, setup, True),
         logits=tokens * LOGITS_BYTES_PER_VOCAB * shape.vocab,
         qat_copies=w * shape.layer_linear_parameters() * qat_layers if setup.int4_qat else 0,
-        **_cpu_parts(shape, setup, activations, _buckets(shape, setup, trained)),
+        **_device_parts(shape, setup, activations, _buckets(shape, setup, trained)),
         **_transients(shape, setup, trained),
     )
 
