@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from backends.train.microbatch import MicroBatch, token_nll_sum
+from skyrl_contracts.build_locks import write_owner
 from skyrl_contracts.ports import find_free_ports
 
 
@@ -57,8 +58,29 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def own_build_locks() -> None:
+    """Make the lock of every op build this process does say who holds it (the host and pid,
+    ``skyrl_contracts.build_locks``): the driver then removes it at once if this process dies
+    mid-build, and another run's teardown never removes it while the build goes on."""
+    from torch.utils import file_baton  # lazy: torch's cpp_extension holds the same class
+
+    acquire = file_baton.FileBaton.try_acquire
+    if getattr(acquire, "writes_owner", False):
+        return
+
+    def try_acquire(self) -> bool:
+        taken = acquire(self)
+        if taken:
+            write_owner(self.lock_file_path)
+        return taken
+
+    try_acquire.writes_owner = True
+    file_baton.FileBaton.try_acquire = try_acquire
+
+
 def init_distributed(preference: str = "auto") -> Dist:
     """Join the torchrun process group (a plain ``python`` run is a world of one)."""
+    own_build_locks()  # the CPU accelerator builds its shm_comm op here on a machine's first run
     # lazy: deepspeed (logs on import); the learner's "imports" lap imports it, not this module
     import deepspeed
 
@@ -129,6 +151,7 @@ def make_engine(
 ):
     """``deepspeed.initialize`` with a torch AdamW over the trainable parameters and a LambdaLR
     (``gradient_checkpointing``: ``trainer.gradient_checkpointing``, see ``checkpoint_activations``)."""
+    own_build_locks()
     # lazy: deepspeed (logs on import); the learner's "imports" lap imports it, not this module
     import deepspeed
 

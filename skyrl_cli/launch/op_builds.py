@@ -5,14 +5,20 @@ guarded by torch's ``FileBaton``: a ``<op>/lock`` file that exists while a build
 every other process waits on, silently, until it disappears. A build killed mid-way (Ctrl-C or
 SIGKILL during the first run on a machine) never removes it, and every later run then hangs at
 start-up with no output (seen: a trainer that sat 14 minutes before its first line). The
-supervisor therefore removes, before it starts a process that builds ops, locks older than any
-real build takes, and, at teardown, once all its processes are gone, the locks made during its run.
+supervisor therefore removes, before it starts a process that builds ops and at teardown once its
+processes are gone, the locks whose builder is dead: skyrl's trainers write their owner into the
+locks they take (``skyrl_contracts.build_locks``). A lock whose owner lives is another run's build
+in progress and is left alone (removing it failed that build: ``FileNotFoundError`` on its lock);
+a lock with no owner on this host is removed once it is older than any real build takes.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+from skyrl_contracts.build_locks import owner_pid
 
 STALE_AFTER_S = 600.0  # a build takes 30-50 s on 2 cores; ten minutes is no build any more
 
@@ -32,22 +38,34 @@ def _remove(paths: list[Path]) -> list[Path]:
     return removed
 
 
-def clear_stale_locks(
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def _abandoned(lock: Path, now: float, older_than_s: float) -> bool:
+    """No build holds ``lock``: its owner on this host is dead, or it is older than any build."""
+    pid = owner_pid(lock)
+    if pid is not None and not _alive(pid):
+        return True
+    return now - _mtime(lock) > older_than_s
+
+
+def clear_abandoned_locks(
     extensions_dir: str | Path, now: float | None = None, older_than_s: float = STALE_AFTER_S
 ) -> list[Path]:
-    """Remove build locks older than ``older_than_s``; returns what was removed."""
+    """Remove the build locks that no build holds (``_abandoned``); returns what was removed."""
     now = time.time() if now is None else now
-    return _remove([p for p in _locks(extensions_dir) if now - _mtime(p) > older_than_s])
-
-
-def clear_locks_since(extensions_dir: str | Path, since: float) -> list[Path]:
-    """Remove build locks made at or after ``since`` (call once the processes that could hold
-    them are gone)."""
-    return _remove([p for p in _locks(extensions_dir) if _mtime(p) >= since])
+    return _remove([p for p in _locks(extensions_dir) if _abandoned(p, now, older_than_s)])
 
 
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
     except FileNotFoundError:
-        return float("inf")
+        return float("-inf")  # gone already: _remove skips it

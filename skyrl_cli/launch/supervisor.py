@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Protocol
 import httpx
 
 from skyrl_cli.launch.interrupts import deferred, signal_name, stop_signals_raise
-from skyrl_cli.launch.op_builds import clear_locks_since, clear_stale_locks
+from skyrl_cli.launch.op_builds import clear_abandoned_locks
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_contracts.errors import LaunchError
 from skyrl_contracts.rundir import RunDir
@@ -255,7 +255,6 @@ class Supervisor:
         self._signals = contextlib.ExitStack()
         self._closed = False
         self._reaper: subprocess.Popen | None = None
-        self._started_at = time.time()
         self._extension_dirs: set[str] = set()  # where started processes build DeepSpeed ops
 
     # ------------------------------------------------------------------ lifecycle
@@ -291,7 +290,7 @@ class Supervisor:
             env = child_env(self.base_env, spec.env)
             if env.get("TORCH_EXTENSIONS_DIR"):
                 self._extension_dirs.add(env["TORCH_EXTENSIONS_DIR"])
-                clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])
+                clear_abandoned_locks(env["TORCH_EXTENSIONS_DIR"])
             try:
                 popen = subprocess.Popen(
                     list(spec.argv),
@@ -461,7 +460,7 @@ class Supervisor:
             _terminate_groups(list(reversed(procs)), grace_s)
             self._tell_reaper("done")
             for directory in self._extension_dirs:  # a build our processes left half-done
-                clear_locks_since(directory, self._started_at)
+                clear_abandoned_locks(directory)
         if self._reaper is not None:
             try:
                 self._reaper.stdin.close()
