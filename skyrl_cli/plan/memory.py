@@ -32,8 +32,8 @@ counted for the HF Llama/Qwen decoder layer with SDPA attention (checked against
 saved-tensor hooks in ``tests/unit/test_memory_estimates.py``), plus the logits of the loss.
 
 The peak is the largest of three moments of a step, each with what is alive then
-(``RankMemory.backward_peak``, ``reduction_peak``, ``step_peak``), and each with a transient
-that the model states do not count:
+(``RankMemory.phases``: the start of backward, the gradient reduction, the optimizer step), and
+each with a transient that the model states do not count:
 
 - backward: the embedding's gradient (and a tied head's, held from the start of backward until the
   embedding adds its own) is computed whole before it is accumulated or reduced, whatever the stage;
