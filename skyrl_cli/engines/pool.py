@@ -44,7 +44,8 @@ from backends.inference.weight_sync import (
     unload_policy_adapters,
 )
 from skyrl_cli.engines.standby import Generation, ranks_of, state, wait_warm
-from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, pid_alive
+from skyrl_cli.launch.pids import pid_alive
+from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor
 from skyrl_cli.plan.model import LaunchPlan, PoolAttachment, ProcessSpec
 from skyrl_cli.plan.pool import (
     WARM_NAMES,

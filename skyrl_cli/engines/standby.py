@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, child_env, pid_alive
+from skyrl_cli.launch.pids import pid_alive
+from skyrl_cli.launch.supervisor import ManagedProcess, Supervisor, child_env
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_cli.plan.pool import first_difference
 from skyrl_cli.plan.trainer import RDZV_FLAG

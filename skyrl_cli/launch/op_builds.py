@@ -14,10 +14,10 @@ a lock with no owner on this host is removed once it is older than any real buil
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
+from skyrl_cli.launch.pids import pid_alive
 from skyrl_contracts.build_locks import owner_pid
 
 STALE_AFTER_S = 600.0  # a build takes 30-50 s on 2 cores; ten minutes is no build any more
@@ -38,20 +38,10 @@ def _remove(paths: list[Path]) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    return True
-
-
 def _abandoned(lock: Path, now: float, older_than_s: float) -> bool:
     """No build holds ``lock``: its owner on this host is dead, or it is older than any build."""
     pid = owner_pid(lock)
-    if pid is not None and not _alive(pid):
+    if pid is not None and not pid_alive(pid):
         return True
     return now - _mtime(lock) > older_than_s
 

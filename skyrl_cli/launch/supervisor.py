@@ -43,6 +43,7 @@ import httpx
 
 from skyrl_cli.launch.interrupts import deferred, signal_name, stop_signals_raise
 from skyrl_cli.launch.op_builds import clear_abandoned_locks
+from skyrl_cli.launch.pids import pid_alive
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_contracts.errors import LaunchError
 from skyrl_contracts.rundir import RunDir
@@ -197,20 +198,6 @@ class AdoptedProcess:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
             time.sleep(0.05)
         return 1
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, which still answers ``kill(pid, 0)``, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def child_env(base: dict[str, str], overrides: dict[str, str]) -> dict[str, str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.launch.supervisor import pid_alive
+from skyrl_cli.launch.pids import pid_alive
 from tests.integration.cli_runs import ENV, SKYRL, events, run_skyrl
 from tests.recipes import RL, SFT, SMALL, merged, tiny_recipe, write_recipe
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from skyrl_cli.launch.supervisor import Supervisor, pid_alive
+from skyrl_cli.launch.pids import pid_alive
+from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.model import ProcessSpec
 
 pytestmark = pytest.mark.integration

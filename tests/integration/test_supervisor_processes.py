@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_cli.launch.supervisor import Supervisor, pid_alive
+from skyrl_cli.launch.pids import pid_alive
+from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.model import ProcessSpec, ReadinessCheck
 from skyrl_contracts.errors import LaunchError
 

@@ -16,7 +16,8 @@ import pytest
 
 from skyrl_cli.engines import standby as warm
 from skyrl_cli.engines.standby import Generation, StandbyJob, state
-from skyrl_cli.launch.supervisor import Supervisor, pid_alive
+from skyrl_cli.launch.pids import pid_alive
+from skyrl_cli.launch.supervisor import Supervisor
 from skyrl_cli.plan.model import ProcessSpec
 from skyrl_contracts.atomic import write_json
 from skyrl_contracts.standby import CURRENT_FILE, EXIT_FILE, Job, gen_dir, mark, ready_marker, taken_marker
