@@ -162,7 +162,7 @@ class RankMemory:
     buckets: int  # DeepSpeed's gradient reduction bucket (ZeRO-3: and its prefetch bucket)
     reserve: int = field(default=TRAINER_CUDA_RESERVE_BYTES)  # CUDA + NCCL; on CPU the process itself
     activations_checkpointed: int = 0  # what the activations would be with gradient checkpointing
-    step_buckets: int = 0  # CPU, ZeRO-1/2: the bucket, resident once activations are gone (the reduction)
+    reduction_buckets: int = 0  # CPU, ZeRO-1/2: the bucket, resident only once activations are gone
     allocator: int = 0  # CPU: freed tensors glibc keeps in its heap
     embedding_gradients: int = 0  # backward: the embedding's (and a tied head's) gradient, whole
     reduce_copy: int = 0  # several ranks, ZeRO 0-2: the gradients flattened to reduce them
@@ -205,7 +205,7 @@ class RankMemory:
         ]
         # ZeRO-1/2 make their fp32 gradient partition only at the step
         reduced = [part for part in states if self.zero_stage == 0 or part[0] != "fp32 gradients"]
-        reduction = [("DeepSpeed buckets", self.buckets + self.step_buckets), ("reduction copy", self.reduce_copy)]
+        reduction = [("DeepSpeed buckets", self.buckets + self.reduction_buckets), ("reduction copy", self.reduce_copy)]
         # ZeRO-2 flattens fp32 gradients into its fp32 partition and lets them go: one copy at the step
         stepped = [
             part for part in states if not (self.zero_stage == 2 and self.weight_bytes == 4) or part[0] != "gradients"
@@ -221,18 +221,22 @@ class RankMemory:
             "the optimizer step": stepped + step + rest,
         }
 
+    def _peak_moment(self) -> tuple[str, list[tuple[str, int]], int]:
+        """The moment with the largest total (the first of equal ones), its parts and that total."""
+        totals = [(name, parts, sum(value for _, value in parts)) for name, parts in self.phases().items()]
+        return max(totals, key=lambda moment: moment[2])
+
     @property
     def peak_phase(self) -> str:
-        totals = {name: sum(value for _, value in parts) for name, parts in self.phases().items()}
-        return max(totals, key=totals.get)  # the first of equal totals
+        return self._peak_moment()[0]
 
     @property
     def peak(self) -> int:
-        return sum(value for _, value in self.phases()[self.peak_phase])
+        return self._peak_moment()[2]
 
     def parts(self) -> list[tuple[str, int]]:
         """``(name, bytes)`` of each part of the peak that is not zero, in the order a reader adds them up."""
-        return [(name, value) for name, value in self.phases()[self.peak_phase] if value]
+        return [(name, value) for name, value in self._peak_moment()[1] if value]
 
 
 def _model_states(shape: ModelShape, setup: TrainerSetup, trained: int) -> dict[str, int]:
@@ -296,7 +300,7 @@ def _device_parts(shape: ModelShape, setup: TrainerSetup, activations: int, buck
     reduced_after_backward = setup.zero_stage in (1, 2)
     return {
         "buckets": 0 if reduced_after_backward else buckets,
-        "step_buckets": buckets if reduced_after_backward else 0,
+        "reduction_buckets": buckets if reduced_after_backward else 0,
         "allocator": kept,
         "reserve": TRAINER_CPU_RUNTIME_BYTES + CPU_BYTES_PER_EXAMPLE * setup.data_examples,
         "device": "cpu",

@@ -229,7 +229,7 @@ def test_a_cpu_rank_by_hand():
     cpu = trainer_rank_memory(shape, TrainerSetup(2, 2, 512, weight_bytes=4, device="cpu", data_examples=1000))
     assert cpu.model_states == gpu.model_states
     assert gpu.buckets == 4 * 500_000_000 and gpu.reserve == TRAINER_CUDA_RESERVE_BYTES
-    assert cpu.buckets == 0 and cpu.step_buckets == 4 * p
+    assert cpu.buckets == 0 and cpu.reduction_buckets == 4 * p
     assert cpu.reserve == TRAINER_CPU_RUNTIME_BYTES + 1000 * CPU_BYTES_PER_EXAMPLE
     assert cpu.allocator == int(CPU_KEPT_ACTIVATIONS * cpu.activations)
     zero3 = trainer_rank_memory(shape, TrainerSetup(2, 3, 512, weight_bytes=4, device="cpu"))
