@@ -5,8 +5,8 @@ DeepSpeed compiles its CPU ops into ``TORCH_EXTENSIONS_DIR`` under torch's ``Fil
 disappears. An empty file cannot say whether its builder still lives, so a lock that a killed
 build left behind, and the lock of a build another run is doing right now, look the same. skyrl's
 trainer processes write their owner into the locks they take (``backends.train.engine``), and the
-driver removes a lock whose owner on this host is gone, and never one whose owner lives
-(``skyrl_cli.launch.op_builds``). Standard library only: both sides read the same format.
+driver removes a lock whose owner on this host is gone, and leaves one whose owner lives until it
+is older than any build takes (``skyrl_cli.launch.op_builds``). Standard library only: both sides read the same format.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def die_with_launcher() -> None:
 def own_build_locks() -> None:
     """Make the lock of every op build this process does say who holds it (the host and pid,
     ``skyrl_contracts.build_locks``): the driver then removes it at once if this process dies
-    mid-build, and another run's teardown never removes it while the build goes on."""
+    mid-build, and another run's teardown leaves it while the build goes on."""
     from torch.utils import file_baton  # lazy: torch's cpp_extension holds the same class
 
     acquire = file_baton.FileBaton.try_acquire

@@ -9,7 +9,7 @@ supervisor therefore removes, before it starts a process that builds ops and at 
 processes are gone, the locks whose builder is dead: skyrl's trainers write their owner into the
 locks they take (``skyrl_contracts.build_locks``). A lock whose owner lives is another run's build
 in progress and is left alone (removing it failed that build: ``FileNotFoundError`` on its lock);
-a lock with no owner on this host is removed once it is older than any real build takes.
+any lock older than a real build takes is removed too (no owner on this host, or a reused pid).
 """
 
 from __future__ import annotations
